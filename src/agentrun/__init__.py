@@ -1,0 +1,8 @@
+"""agentrun: durable execution for long-running LLM agents.
+
+The shared core lives here (store, config, SQL, tool SDK); the worker and the operator are the
+subpackages ``agentrun.worker`` and ``agentrun.operator``. Dependencies point one way:
+operator -> core <- worker.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from agentrun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+-- Every query the store runs, by name. agentrun/sql/__init__.py splits this file on the
+-- "-- name --" headers; Python code says queries["name"]. Parameters are psycopg named
+-- placeholders: values are always sent separately from the SQL text.
+
+-- insert_prompt_version --
+-- Content-addressed and write-once: a second insert of the same id is a no-op.
+INSERT INTO prompt_version (id, model, system, tools, params)
+VALUES (%(id)s, %(model)s, %(system)s, %(tools)s, %(params)s)
+ON CONFLICT (id) DO NOTHING;
+
+-- get_prompt_version --
+SELECT id, model, system, tools::text AS tools, params::text AS params
+  FROM prompt_version WHERE id = %(id)s;
+
+-- insert_run --
+-- Idempotent on external_key: a replayed create (an operator handler that ran twice) returns
+-- nothing here and the caller reads the existing row.
+INSERT INTO agent_run (external_key, k8s_namespace, k8s_name, k8s_uid, pool, task, model,
+                       prompt_version, max_steps, max_attempts)
+VALUES (%(external_key)s, %(k8s_namespace)s, %(k8s_name)s, %(k8s_uid)s, %(pool)s, %(task)s,
+        %(model)s, %(prompt_version)s, %(max_steps)s, %(max_attempts)s)
+ON CONFLICT DO NOTHING
+RETURNING *;
+
+-- get_run_by_external_key --
+SELECT * FROM agent_run WHERE external_key = %(external_key)s;
+
+-- get_run --
+SELECT * FROM agent_run WHERE id = %(id)s;
+
+-- list_runs --
+SELECT * FROM agent_run
+ WHERE (%(pool)s::text IS NULL OR pool = %(pool)s)
+   AND (%(status)s::text IS NULL OR status = %(status)s)
+ ORDER BY created_at DESC, id
+ LIMIT %(limit)s;
+
+-- claim_runs --
+-- Oldest claimable runs of one pool: pending ones, and running ones whose holder's lease expired
+-- (pgqueuer's trick: the claim itself takes back stale leases, no reaper process needed).
+-- SKIP LOCKED lets concurrent claimers pass each other instead of queueing on the same rows.
+-- A run already claimed max_attempts times is failing deterministically (a poison run): it goes
+-- to dead_letter here instead of being handed out again. The epoch is bumped either way, so a
+-- worker still holding an old claim is fenced off.
+WITH candidate AS (
+    SELECT id FROM agent_run
+     WHERE pool = %(pool)s
+       AND status IN ('pending', 'running')
+       AND (lease_until IS NULL OR lease_until < now())
+     ORDER BY created_at, id
+     LIMIT %(limit)s
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE agent_run r
+   SET status      = CASE WHEN r.attempt >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
+       lease_owner = CASE WHEN r.attempt >= r.max_attempts THEN NULL ELSE %(worker)s END,
+       lease_until = CASE WHEN r.attempt >= r.max_attempts THEN NULL
+                          ELSE now() + make_interval(secs => %(ttl)s) END,
+       lease_epoch = r.lease_epoch + 1,
+       attempt     = CASE WHEN r.attempt >= r.max_attempts THEN r.attempt ELSE r.attempt + 1 END,
+       error       = CASE WHEN r.attempt >= r.max_attempts
+                          THEN format('dead-lettered: claimed %%s times without finishing '
+                                      '(maxAttempts %%s); last error: %%s',
+                                      r.attempt, r.max_attempts, coalesce(r.error, 'none'))
+                          ELSE r.error END,
+       started_at  = coalesce(r.started_at, now()),
+       finished_at = CASE WHEN r.attempt >= r.max_attempts THEN now() ELSE NULL END
+  FROM candidate c
+ WHERE r.id = c.id
+RETURNING r.*;
+
+-- append_step --
+-- The fenced append, in ONE statement (one round trip, autocommit): the UPDATE only matches while
+-- this worker still holds the run with this epoch and the run is running; the INSERT is fed by the
+-- UPDATE's RETURNING, so no match means no step. Committing a step also renews the lease.
+-- A duplicate (run_id, seq) still fails on the primary key.
+WITH fence AS (
+    UPDATE agent_run
+       SET next_seq    = greatest(next_seq, %(seq)s + 1),
+           lease_until = now() + make_interval(secs => %(ttl)s)
+     WHERE id = %(run_id)s
+       AND lease_owner = %(worker)s
+       AND lease_epoch = %(epoch)s
+       AND status = 'running'
+    RETURNING id
+)
+INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, worker)
+SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(worker)s
+  FROM fence
+RETURNING seq, created_at;
+
+-- renew_lease --
+UPDATE agent_run
+   SET lease_until = now() + make_interval(secs => %(ttl)s)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING lease_until;
+
+-- release_lease --
+-- A graceful hand-off (SIGTERM drain): the run is claimable at once, not after the lease TTL, and
+-- the attempt is given back, since a deploy is not a sign of a poison run.
+UPDATE agent_run
+   SET status = 'pending', lease_owner = NULL, lease_until = NULL,
+       attempt = greatest(attempt - 1, 0)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
+-- finish_run --
+UPDATE agent_run
+   SET status = %(status)s, result = %(result)s, error = %(error)s,
+       lease_owner = NULL, lease_until = NULL, finished_at = now()
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
+-- cancel_run --
+-- Cancellation is a status change. The holder's next append, renewal or finish no longer matches
+-- its fence (status is no longer running) and it stops; workers also hear it on
+-- agentrun_run_changed and abort an in-flight model call.
+UPDATE agent_run
+   SET status = 'cancelled', lease_until = NULL, finished_at = now(),
+       error = coalesce(%(reason)s, 'cancelled')
+ WHERE id = %(run_id)s
+   AND status IN ('pending', 'running', 'waiting_approval')
+RETURNING *;
+
+-- fence_state --
+-- Only read after a fenced statement matched nothing, to say why.
+SELECT status, lease_owner, lease_epoch FROM agent_run WHERE id = %(run_id)s;
+
+-- list_steps --
+SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
+  FROM agent_step WHERE run_id = %(run_id)s ORDER BY seq;
+
+-- pool_depth --
+-- Served by agent_run_claimable_idx: finished runs are never read.
+SELECT pool,
+       count(*) FILTER (WHERE status = 'pending')  AS pending,
+       count(*) FILTER (WHERE status = 'running')  AS running,
+       min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
+  FROM agent_run
+ WHERE status IN ('pending', 'running')
+ GROUP BY pool;
+
+-- counts_by_status --
+SELECT pool, status, count(*) AS n FROM agent_run GROUP BY pool, status;
+
+-- migration_lock --
+-- Serialises concurrent `agentrun migrate` runs (operator replicas and worker pods starting
+-- together). Transaction-scoped: released by the commit that records the migrations.
+SELECT pg_advisory_xact_lock(7146120421);
+
+-- create_migration_table --
+CREATE TABLE IF NOT EXISTS agentrun_migration (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- applied_migrations --
+SELECT version FROM agentrun_migration ORDER BY version;
+
+-- record_migration --
+INSERT INTO agentrun_migration (version, name) VALUES (%(version)s, %(name)s);
+
+-- schema_version --
+SELECT coalesce(max(version), 0) AS version FROM agentrun_migration;

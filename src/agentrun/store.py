@@ -1,0 +1,481 @@
+"""The run store: the async API every other part of agentrun stands on.
+
+A run is a row in ``agent_run``; its conversation is the append-only log ``agent_step``. Workers
+hold runs with short leases; each claim bumps the run's ``lease_epoch`` (a fencing token), and every
+write a worker makes checks, in the same statement, that it still holds the run with that epoch.
+A worker that lost its lease (it stalled past the TTL and another worker claimed the run, or the run
+was cancelled) therefore cannot write, whatever it believes: it gets :class:`LeaseLost`.
+
+The SQL lives in ``agentrun/sql/queries.sql``; this module only binds parameters and turns rows
+into typed objects. Every connection is in autocommit mode: the hot-path writes (append, renew,
+claim) are each one statement, so one round trip and one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Self
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import class_row, dict_row
+from psycopg.types.json import Json, Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from agentrun.config import redact_url
+from agentrun.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    DuplicateStep,
+    LeaseLost,
+    RunCancelled,
+    RunNotFound,
+)
+from agentrun.sql import queries
+
+log = logging.getLogger(__name__)
+
+RunStatus = Literal[
+    "pending", "running", "waiting_approval", "succeeded", "failed", "cancelled", "dead_letter"
+]
+TERMINAL_STATUSES: frozenset[str] = frozenset(
+    {"succeeded", "failed", "cancelled", "dead_letter"}
+)
+StepKind = Literal["model_turn", "tool_result", "user", "note"]
+
+#: Notification channels (see docs/store.md).
+CHANNEL_RUN_CHANGED = "agentrun_run_changed"
+CHANNEL_RUN_READY = "agentrun_run_ready"
+
+#: Default lease TTL in seconds. Short, so a dead worker's run waits at most this long; workers
+#: renew with every commit and from a heartbeat at a third of the TTL.
+DEFAULT_LEASE_TTL = 15.0
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class PromptVersion:
+    """What a run sends besides its conversation: pinned, content-addressed, write-once."""
+
+    model: str
+    system: str
+    tools: list[dict[str, Any]]
+    params: dict[str, Any] = field(default_factory=dict)  # max_tokens, thinking
+
+    @property
+    def id(self) -> str:
+        body = canonical_json(
+            {"model": self.model, "system": self.system, "tools": self.tools, "params": self.params}
+        )
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class K8sRef:
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass
+class Run:
+    id: UUID
+    external_key: str | None
+    k8s_namespace: str | None
+    k8s_name: str | None
+    k8s_uid: str | None
+    pool: str
+    status: str
+    task: str
+    model: str
+    prompt_version: str
+    max_steps: int
+    max_attempts: int
+    lease_owner: str | None
+    lease_until: datetime | None
+    lease_epoch: int
+    attempt: int
+    next_seq: int
+    result: str | None
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of a claim: only the holder of the current epoch may write to the run."""
+
+    run_id: UUID
+    worker: str
+    epoch: int
+
+
+@dataclass
+class Step:
+    run_id: UUID
+    seq: int
+    kind: str
+    payload: Any
+    request_id: str | None
+    lease_epoch: int
+    worker: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: list[tuple[Run, Lease]]
+    dead_lettered: list[Run]
+
+
+@dataclass(frozen=True)
+class PoolDepth:
+    pool: str
+    pending: int
+    running: int
+    oldest_pending: datetime | None
+
+
+@dataclass(frozen=True)
+class Notification:
+    channel: str
+    payload: str
+
+    def json(self) -> Any:
+        return json.loads(self.payload)
+
+
+def parse_run_id(value: str | UUID) -> UUID:
+    if isinstance(value, UUID):
+        return value
+    try:
+        return UUID(value)
+    except ValueError:
+        raise ConfigError(
+            f"{value!r} is not a run id (a UUID, as printed by agentrun runs)"
+        ) from None
+
+
+async def check_connect(url: str, connect_timeout: float = 5.0) -> None:
+    """Connect once, turning any failure into a one-line :class:`DatabaseUnavailable`."""
+    try:
+        timeout = max(1, int(connect_timeout))
+        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=timeout)
+    except psycopg.OperationalError as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_url(reason)}"
+        ) from None
+    await conn.close()
+
+
+class Store:
+    """Async access to runs and steps over a psycopg connection pool."""
+
+    def __init__(
+        self, pool: AsyncConnectionPool, url: str, *, lease_ttl: float = DEFAULT_LEASE_TTL
+    ) -> None:
+        self.pool = pool
+        self.url = url
+        self.lease_ttl = lease_ttl
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        connect_timeout: float = 5.0,
+    ) -> Self:
+        await check_connect(url, connect_timeout)
+        pool: AsyncConnectionPool = AsyncConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name="agentrun",
+            # A connection broken by a database restart is discarded when returned; the caller's
+            # retry gets a fresh one. reconnect_timeout keeps the pool trying through an outage.
+            reconnect_timeout=3600,
+        )
+        await pool.open(wait=True, timeout=connect_timeout)
+        return cls(pool, url, lease_ttl=lease_ttl)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- prompt versions -----------------------------------------------------------------------
+
+    async def ensure_prompt_version(self, pv: PromptVersion) -> str:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                queries["insert_prompt_version"],
+                {
+                    "id": pv.id,
+                    "model": pv.model,
+                    "system": pv.system,
+                    "tools": Json(pv.tools, dumps=canonical_json),
+                    "params": Json(pv.params, dumps=canonical_json),
+                },
+            )
+        return pv.id
+
+    async def get_prompt_version(self, version_id: str) -> PromptVersion:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(queries["get_prompt_version"], {"id": version_id})
+            row = await cur.fetchone()
+        if row is None:
+            raise ConfigError(f"no prompt version {version_id}")
+        return PromptVersion(
+            model=row["model"],
+            system=row["system"],
+            tools=json.loads(row["tools"]),
+            params=json.loads(row["params"]),
+        )
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    async def create_run(
+        self,
+        task: str,
+        prompt: PromptVersion,
+        *,
+        pool: str = "default",
+        max_steps: int = 50,
+        max_attempts: int = 8,
+        external_key: str | None = None,
+        k8s: K8sRef | None = None,
+    ) -> tuple[Run, bool]:
+        """Create a run pinned to ``prompt``; idempotent on ``external_key`` (for an AgentRun
+        object: ``k8s:<uid>``). Returns the run and whether this call created it."""
+        if k8s is not None and external_key is None:
+            external_key = f"k8s:{k8s.uid}"
+        await self.ensure_prompt_version(prompt)
+        params = {
+            "external_key": external_key,
+            "k8s_namespace": k8s.namespace if k8s else None,
+            "k8s_name": k8s.name if k8s else None,
+            "k8s_uid": k8s.uid if k8s else None,
+            "pool": pool,
+            "task": task,
+            "model": prompt.model,
+            "prompt_version": prompt.id,
+            "max_steps": max_steps,
+            "max_attempts": max_attempts,
+        }
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries["insert_run"], params)
+            created = await cur.fetchone()
+            if created is not None:
+                return created, True
+            if external_key is None:  # pragma: no cover - only a uuid clash could get here
+                raise RuntimeError("run insert matched a conflict without an external key")
+            await cur.execute(queries["get_run_by_external_key"], {"external_key": external_key})
+            existing = await cur.fetchone()
+        if existing is None:  # pragma: no cover - k8s_uid clash under a different external key
+            raise ConfigError(f"a run for Kubernetes uid {params['k8s_uid']} already exists")
+        return existing, False
+
+    async def get_run(self, run_id: str | UUID) -> Run:
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries["get_run"], {"id": rid})
+            run = await cur.fetchone()
+        if run is None:
+            raise RunNotFound(str(rid))
+        return run
+
+    async def list_runs(
+        self, *, pool: str | None = None, status: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(
+                queries["list_runs"], {"pool": pool, "status": status, "limit": limit}
+            )
+            return await cur.fetchall()
+
+    async def claim(
+        self, pool: str, worker: str, limit: int = 1, *, ttl: float | None = None
+    ) -> ClaimResult:
+        """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(
+                queries["claim_runs"],
+                {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl},
+            )
+            rows = await cur.fetchall()
+        claimed = [
+            (r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"
+        ]
+        dead = [r for r in rows if r.status == "dead_letter"]
+        for r in dead:
+            log.warning("run %s dead-lettered after %d claims", r.id, r.attempt,
+                        extra={"run_id": str(r.id)})
+        return ClaimResult(claimed=claimed, dead_lettered=dead)
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> datetime:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                queries["renew_lease"], self._fence_params(lease, ttl=ttl or self.lease_ttl)
+            )
+            row = await cur.fetchone()
+            if row is None:
+                raise await self._fence_error(conn, lease)
+        until: datetime = row[0]
+        return until
+
+    async def append_step(
+        self,
+        lease: Lease,
+        seq: int,
+        kind: StepKind,
+        payload: Any,
+        *,
+        request_id: str | None = None,
+        ttl: float | None = None,
+    ) -> datetime:
+        """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
+
+        Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
+        run, and :class:`DuplicateStep` when ``seq`` already exists.
+        """
+        params = self._fence_params(lease, ttl=ttl or self.lease_ttl)
+        params.update(seq=seq, kind=kind, payload=Jsonb(payload), request_id=request_id)
+        async with self.pool.connection() as conn:
+            try:
+                cur = await conn.execute(queries["append_step"], params)
+            except psycopg.errors.UniqueViolation:
+                raise DuplicateStep(str(lease.run_id), seq) from None
+            row = await cur.fetchone()
+            if row is None:
+                raise await self._fence_error(conn, lease)
+        created_at: datetime = row[1]
+        return created_at
+
+    async def release(self, lease: Lease) -> bool:
+        """Hand the run back (draining): claimable at once. False if it was no longer ours."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["release_lease"], self._fence_params(lease))
+            return await cur.fetchone() is not None
+
+    async def finish(
+        self,
+        lease: Lease,
+        status: Literal["succeeded", "failed", "dead_letter"],
+        *,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        params = self._fence_params(lease)
+        params.update(status=status, result=result, error=error)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["finish_run"], params)
+            if await cur.fetchone() is None:
+                raise await self._fence_error(conn, lease)
+
+    async def cancel(self, run_id: str | UUID, reason: str | None = None) -> tuple[Run, bool]:
+        """Cancel a run that has not finished. Returns the run as it now is and whether this call
+        cancelled it (False: it had already finished)."""
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries["cancel_run"], {"run_id": rid, "reason": reason})
+            run = await cur.fetchone()
+        return (run, True) if run is not None else (await self.get_run(rid), False)
+
+    # -- steps and depth -----------------------------------------------------------------------
+
+    async def steps(self, run_id: str | UUID) -> list[Step]:
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Step))
+            await cur.execute(queries["list_steps"], {"run_id": rid})
+            return await cur.fetchall()
+
+    async def pool_depth(self) -> dict[str, PoolDepth]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(PoolDepth))
+            await cur.execute(queries["pool_depth"])
+            return {d.pool: d for d in await cur.fetchall()}
+
+    async def counts_by_status(self) -> dict[tuple[str, str], int]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["counts_by_status"])
+            return {(str(p), str(s)): int(n) for p, s, n in await cur.fetchall()}
+
+    # -- notifications -------------------------------------------------------------------------
+
+    async def listen(
+        self, channels: Sequence[str] = (CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY)
+    ) -> AsyncIterator[Notification]:
+        """Yield notifications from a dedicated connection (LISTEN needs one connection for its
+        whole life, so it does not come from the pool). The generator ends with an
+        OperationalError when the connection drops; callers reconnect."""
+        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        try:
+            for channel in channels:
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            async for n in conn.notifies():
+                yield Notification(n.channel, n.payload)
+        finally:
+            await conn.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _fence_params(self, lease: Lease, *, ttl: float | None = None) -> dict[str, Any]:
+        return {
+            "run_id": lease.run_id,
+            "worker": lease.worker,
+            "epoch": lease.epoch,
+            "ttl": ttl if ttl is not None else self.lease_ttl,
+        }
+
+    async def _fence_error(
+        self, conn: psycopg.AsyncConnection[Any], lease: Lease
+    ) -> Exception:
+        """Explain why a fenced write matched nothing."""
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(queries["fence_state"], {"run_id": lease.run_id})
+        row = await cur.fetchone()
+        rid = str(lease.run_id)
+        if row is None:
+            return RunNotFound(rid)
+        if row["status"] == "cancelled":
+            return RunCancelled(rid)
+        if row["lease_epoch"] != lease.epoch:
+            return LeaseLost(
+                rid,
+                f"claimed again (epoch {row['lease_epoch']}, by {row['lease_owner']}); "
+                f"this worker held epoch {lease.epoch}",
+            )
+        return LeaseLost(rid, f"run is {row['status']}, no longer running under this lease")

