@@ -31,22 +31,30 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb
 
+from agentrun.manifests import AgentSpec
 from agentrun.migrations import migrate
 from agentrun.sql import queries
-from agentrun.store import Lease, PromptVersion, Store
+from agentrun.store import Lease, Store
 
 PAYLOAD = {
     "content": [
-        {"type": "thinking", "thinking": "Check the schema before writing. " * 8,
-         "signature": "c2lnbmF0dXJl" * 20},
+        {
+            "type": "thinking",
+            "thinking": "Check the schema before writing. " * 8,
+            "signature": "c2lnbmF0dXJl" * 20,
+        },
         {"type": "text", "text": "I will now read the orders table.", "citations": None},
-        {"type": "tool_use", "id": "toolu_0123456789abcdef", "name": "read_schema",
-         "input": {"table": "orders"}},
+        {
+            "type": "tool_use",
+            "id": "toolu_0123456789abcdef",
+            "name": "read_schema",
+            "input": {"table": "orders"},
+        },
     ],
     "stop_reason": "tool_use",
     "usage": {"input_tokens": 1200, "output_tokens": 180},
 }
-PROMPT = PromptVersion(model="bench", system="bench", tools=[])
+AGENT = AgentSpec(model="bench", system="bench")
 
 RAW_4STMT_UPDATE = (
     "UPDATE agent_run SET next_seq = greatest(next_seq, %(seq)s + 1), "
@@ -61,8 +69,11 @@ RAW_4STMT_INSERT = (
 
 
 def pick_admin_url(arg: str | None) -> tuple[str, Any]:
-    for url in (arg, os.environ.get("AGENTRUN_TEST_ADMIN_URL"),
-                "postgresql://postgres@127.0.0.1:5432/postgres"):
+    for url in (
+        arg,
+        os.environ.get("AGENTRUN_TEST_ADMIN_URL"),
+        "postgresql://postgres@127.0.0.1:5432/postgres",
+    ):
         if not url:
             continue
         try:
@@ -81,11 +92,13 @@ def pick_admin_url(arg: str | None) -> tuple[str, Any]:
 
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 async def timed_writers(
-    writers: int, per_writer: int, make_write: Callable[[int], Awaitable[Callable[[int], Awaitable[None]]]]
+    writers: int,
+    per_writer: int,
+    make_write: Callable[[int], Awaitable[Callable[[int], Awaitable[None]]]],
 ) -> tuple[list[float], float]:
     """Run ``writers`` concurrent loops of ``per_writer`` writes; latencies in ms, total wall s."""
     fns = [await make_write(i) for i in range(writers)]
@@ -112,73 +125,108 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
             # Each writer holds its own run, as a worker does.
             leases: list[Lease] = []
             for _ in range(writers * 3):
-                await store.create_run("bench", PROMPT, pool=f"append{writers}")
+                await store.create_run("bench", AGENT, pool=f"append{writers}")
             claimed = await store.claim(f"append{writers}", "bench", limit=writers * 3, ttl=600)
             leases = [lease for _, lease in claimed.claimed]
             store_leases, raw1_leases, raw4_leases = (
-                leases[:writers], leases[writers:2 * writers], leases[2 * writers:])
+                leases[:writers],
+                leases[writers : 2 * writers],
+                leases[2 * writers :],
+            )
 
-            async def make_store(i: int, ls: list[Lease] = store_leases) -> Callable[[int], Awaitable[None]]:
+            async def make_store(
+                i: int, ls: list[Lease] = store_leases
+            ) -> Callable[[int], Awaitable[None]]:
                 async def w(seq: int) -> None:
                     await store.append_step(ls[i], seq, "model_turn", PAYLOAD, request_id="req")
+
                 return w
 
-            async def make_raw1(i: int, ls: list[Lease] = raw1_leases) -> Callable[[int], Awaitable[None]]:
+            async def make_raw1(
+                i: int, ls: list[Lease] = raw1_leases
+            ) -> Callable[[int], Awaitable[None]]:
                 conn = raw_conns[i]
 
                 async def w(seq: int) -> None:
                     lease = ls[i]
-                    cur = await conn.execute(queries["append_step"], {
-                        "run_id": lease.run_id, "worker": lease.worker, "epoch": lease.epoch,
-                        "ttl": 600, "seq": seq, "kind": "model_turn", "payload": Jsonb(PAYLOAD),
-                        "request_id": "req"})
+                    cur = await conn.execute(
+                        queries["append_step"],
+                        {
+                            "run_id": lease.run_id,
+                            "worker": lease.worker,
+                            "epoch": lease.epoch,
+                            "ttl": 600,
+                            "seq": seq,
+                            "kind": "model_turn",
+                            "payload": Jsonb(PAYLOAD),
+                            "request_id": "req",
+                        },
+                    )
                     assert await cur.fetchone() is not None
+
                 return w
 
-            async def make_raw4(i: int, ls: list[Lease] = raw4_leases) -> Callable[[int], Awaitable[None]]:
+            async def make_raw4(
+                i: int, ls: list[Lease] = raw4_leases
+            ) -> Callable[[int], Awaitable[None]]:
                 conn = raw_conns[i]
 
                 async def w(seq: int) -> None:
                     lease = ls[i]
-                    params = {"run_id": lease.run_id, "worker": lease.worker,
-                              "epoch": lease.epoch, "ttl": 600, "seq": seq,
-                              "kind": "model_turn", "payload": Jsonb(PAYLOAD),
-                              "request_id": "req"}
+                    params = {
+                        "run_id": lease.run_id,
+                        "worker": lease.worker,
+                        "epoch": lease.epoch,
+                        "ttl": 600,
+                        "seq": seq,
+                        "kind": "model_turn",
+                        "payload": Jsonb(PAYLOAD),
+                        "request_id": "req",
+                    }
                     async with conn.transaction():
                         cur = await conn.execute(RAW_4STMT_UPDATE, params)
                         assert await cur.fetchone() is not None
                         await conn.execute(RAW_4STMT_INSERT, params)
+
                 return w
 
             # Warm up (prepared statements, pool) then measure, interleaving to share noise.
             await timed_writers(writers, 10, make_store)
             measured: dict[str, tuple[list[float], float]] = {}
-            for name, maker, offset in (("store", make_store, 10), ("raw-1stmt", make_raw1, 0),
-                                        ("raw-4stmt", make_raw4, 0)):
+            for name, maker, offset in (
+                ("store", make_store, 10),
+                ("raw-1stmt", make_raw1, 0),
+                ("raw-4stmt", make_raw4, 0),
+            ):
+
                 async def shifted(i: int, maker: Any = maker, offset: int = offset) -> Any:
                     fn = await maker(i)
 
                     async def w(seq: int) -> None:
                         await fn(seq + offset)
+
                     return w
+
                 measured[name] = await timed_writers(writers, per, shifted)
             base = measured["raw-1stmt"]
             for name, (lat, wall) in measured.items():
-                results.append({
-                    "bench": f"append, {writers} writer{'s' if writers > 1 else ''}",
-                    "variant": name,
-                    "p50_ms": statistics.median(lat),
-                    "p99_ms": pct(lat, 99),
-                    "per_s": len(lat) / wall,
-                    "ratio_p50_vs_raw": statistics.median(lat) / statistics.median(base[0]),
-                    "ratio_rate_vs_raw": (len(base[0]) / base[1]) / (len(lat) / wall),
-                })
+                results.append(
+                    {
+                        "bench": f"append, {writers} writer{'s' if writers > 1 else ''}",
+                        "variant": name,
+                        "p50_ms": statistics.median(lat),
+                        "p99_ms": pct(lat, 99),
+                        "per_s": len(lat) / wall,
+                        "ratio_p50_vs_raw": statistics.median(lat) / statistics.median(base[0]),
+                        "ratio_rate_vs_raw": (len(base[0]) / base[1]) / (len(lat) / wall),
+                    }
+                )
 
         # Claims per second: one claimer, one run per claim.
         for variant in ("store", "raw-1stmt"):
             pool = f"claim-{variant}"
             for _ in range(runs):
-                await store.create_run("bench", PROMPT, pool=pool)
+                await store.create_run("bench", AGENT, pool=pool)
             conn = raw_conns[0]
             t0 = time.perf_counter()
             n = 0
@@ -186,15 +234,24 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
                 if variant == "store":
                     got = len((await store.claim(pool, "bench", limit=1)).claimed)
                 else:
-                    cur = await conn.execute(queries["claim_runs"], {
-                        "pool": pool, "worker": "bench", "limit": 1, "ttl": 15})
+                    cur = await conn.execute(
+                        queries["claim_runs"],
+                        {"pool": pool, "worker": "bench", "limit": 1, "ttl": 15},
+                    )
                     got = len(await cur.fetchall())
                 if not got:
                     break
                 n += got
             wall = time.perf_counter() - t0
-            results.append({"bench": "claim, 1 claimer, 1 run per claim", "variant": variant,
-                            "p50_ms": wall / n * 1000, "p99_ms": None, "per_s": n / wall})
+            results.append(
+                {
+                    "bench": "claim, 1 claimer, 1 run per claim",
+                    "variant": variant,
+                    "p50_ms": wall / n * 1000,
+                    "p99_ms": None,
+                    "per_s": n / wall,
+                }
+            )
         store_rate, raw_rate = results[-2]["per_s"], results[-1]["per_s"]
         results[-2]["ratio_rate_vs_raw"] = raw_rate / store_rate
         results[-1]["ratio_rate_vs_raw"] = 1.0
@@ -206,13 +263,17 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'benchmark':36} {'variant':10} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9} "
-          f"{'time ratio vs raw-1stmt':>24}")
+    print(
+        f"{'benchmark':36} {'variant':10} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9} "
+        f"{'time ratio vs raw-1stmt':>24}"
+    )
     for r in results:
         p99 = f"{r['p99_ms']:.3f}" if r.get("p99_ms") is not None else "-"
         ratio = r.get("ratio_rate_vs_raw")
-        print(f"{r['bench']:36} {r['variant']:10} {r['p50_ms']:8.3f} {p99:>8} "
-              f"{r['per_s']:9.0f} {(f'{ratio:.2f}x' if ratio else '-'):>24}")
+        print(
+            f"{r['bench']:36} {r['variant']:10} {r['p50_ms']:8.3f} {p99:>8} "
+            f"{r['per_s']:9.0f} {(f'{ratio:.2f}x' if ratio else '-'):>24}"
+        )
 
 
 def main() -> int:
@@ -229,6 +290,7 @@ def main() -> int:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     url = make_conninfo(**{**params, "dbname": name})  # type: ignore[arg-type]
     try:
+
         async def run() -> list[dict[str, Any]]:
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
                 await migrate(conn)
@@ -236,8 +298,10 @@ def main() -> int:
 
         with psycopg.connect(url) as c:
             server_version = c.execute("SHOW server_version").fetchone()
-        print(f"store benchmark: PostgreSQL {server_version[0] if server_version else '?'}, "
-              f"{os.cpu_count()} cores, python {sys.version.split()[0]}")
+        print(
+            f"store benchmark: PostgreSQL {server_version[0] if server_version else '?'}, "
+            f"{os.cpu_count()} cores, python {sys.version.split()[0]}"
+        )
         results = asyncio.run(run())
         print_table(results)
         if args.json:
@@ -245,7 +309,9 @@ def main() -> int:
                 json.dump(results, f, indent=2)
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
         if server is not None:
             server.cleanup()
     return 0

@@ -36,8 +36,11 @@ def test_migrate_from_four_processes_at_once(empty_database_url: str) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "agentrun", "migrate"],
-            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=tempfile.gettempdir(),
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tempfile.gettempdir(),
         )
         for _ in range(4)
     ]
@@ -82,7 +85,8 @@ def test_unknown_run_id_is_one_line_and_non_zero(database_url: str) -> None:
     assert res.returncode == 1
     assert res.stderr.strip() == (
         "agentrun: error: no run with id 3f1e2b7a-0000-4000-8000-000000000000 "
-        "(list runs with: agentrun runs)")
+        "(list runs with: agentrun runs)"
+    )
     res = run_cli("cancel", "not-a-uuid", env=env)
     assert res.returncode == 2 and "is not a run id" in res.stderr
 
@@ -90,12 +94,12 @@ def test_unknown_run_id_is_one_line_and_non_zero(database_url: str) -> None:
 def test_runs_and_cancel_from_the_cli(database_url: str) -> None:
     import asyncio
 
-    from agentrun.store import PromptVersion, Store
+    from agentrun.manifests import AgentSpec
+    from agentrun.store import Store
 
     async def seed() -> str:
         async with await Store.open(database_url) as store:
-            run, _ = await store.create_run(
-                "t", PromptVersion(model="m", system="s", tools=[]))
+            run, _ = await store.create_run("t", AgentSpec(model="m"))
             return str(run.id)
 
     rid = asyncio.run(seed())

@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled, RunNotFound
+from agentrun.manifests import AgentSpec
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_READY,
@@ -19,11 +20,19 @@ from agentrun.store import (
     Store,
 )
 
+AGENT = AgentSpec(
+    model="claude-sonnet-4-5", system="You migrate databases carefully.", tools=["read_schema"]
+)
 PROMPT = PromptVersion(
     model="claude-sonnet-4-5",
     system="You migrate databases carefully.",
-    tools=[{"name": "read_schema", "description": "Read a schema",
-            "input_schema": {"type": "object", "properties": {"table": {"type": "string"}}}}],
+    tools=[
+        {
+            "name": "read_schema",
+            "description": "Read a schema",
+            "input_schema": {"type": "object", "properties": {"table": {"type": "string"}}},
+        }
+    ],
     params={"max_tokens": 8192},
 )
 
@@ -31,7 +40,7 @@ PROMPT = PromptVersion(
 async def make_runs(store: Store, n: int, **kw: object) -> list[UUID]:
     ids = []
     for i in range(n):
-        run, created = await store.create_run(f"task {i}", PROMPT, **kw)  # type: ignore[arg-type]
+        run, created = await store.create_run(f"task {i}", AGENT, **kw)  # type: ignore[arg-type]
         assert created
         ids.append(run.id)
     return ids
@@ -76,8 +85,8 @@ async def test_claim_order_is_oldest_first_and_per_pool(store: Store) -> None:
 
 async def test_create_run_is_idempotent_on_external_key(store: Store) -> None:
     ref = K8sRef(namespace="ns", name="migrate-orders", uid="uid-1")
-    run1, created1 = await store.create_run("task", PROMPT, k8s=ref)
-    run2, created2 = await store.create_run("task", PROMPT, k8s=ref)
+    run1, created1 = await store.create_run("task", AGENT, k8s=ref)
+    run2, created2 = await store.create_run("task", AGENT, k8s=ref)
     assert created1 and not created2
     assert run1.id == run2.id
     assert run1.k8s_name == "migrate-orders" and run1.external_key == "k8s:uid-1"
@@ -86,7 +95,7 @@ async def test_create_run_is_idempotent_on_external_key(store: Store) -> None:
 
 async def test_duplicate_step_insert_fails_on_primary_key(store: Store, database_url: str) -> None:
     (rid,) = await make_runs(store, 1)
-    (_, lease), = (await store.claim("default", "w1")).claimed
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
     await store.append_step(lease, 0, "model_turn", {"content": []})
     with pytest.raises(DuplicateStep):
         await store.append_step(lease, 0, "model_turn", {"content": ["again"]})
@@ -95,12 +104,14 @@ async def test_duplicate_step_insert_fails_on_primary_key(store: Store, database
         with pytest.raises(psycopg.errors.UniqueViolation):
             await conn.execute(
                 "INSERT INTO agent_step (run_id, seq, kind, payload, lease_epoch, worker) "
-                "VALUES (%s, 0, 'model_turn', '{}', 1, 'x')", (rid,))
+                "VALUES (%s, 0, 'model_turn', '{}', 1, 'x')",
+                (rid,),
+            )
 
 
 async def test_agent_step_is_append_only_in_the_database(store: Store, database_url: str) -> None:
     (rid,) = await make_runs(store, 1)
-    (_, lease), = (await store.claim("default", "w1")).claimed
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
     await store.append_step(lease, 0, "model_turn", {"content": [{"type": "text", "text": "hi"}]})
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.RestrictViolation, match="append-only"):
@@ -117,10 +128,10 @@ async def test_expired_lease_holder_is_fenced_off_after_another_claim(
     store: Store, database_url: str
 ) -> None:
     (rid,) = await make_runs(store, 1)
-    (_, lease_a), = (await store.claim("default", "worker-a")).claimed
+    ((_, lease_a),) = (await store.claim("default", "worker-a")).claimed
     await store.append_step(lease_a, 0, "model_turn", {"n": 0})
     await expire_lease(database_url, rid)
-    (_, lease_b), = (await store.claim("default", "worker-b")).claimed
+    ((_, lease_b),) = (await store.claim("default", "worker-b")).claimed
     assert lease_b.epoch == lease_a.epoch + 1
     # A's next append fails even for a seq that B has not written.
     with pytest.raises(LeaseLost, match="epoch"):
@@ -134,7 +145,10 @@ async def test_expired_lease_holder_is_fenced_off_after_another_claim(
     await store.append_step(lease_b, 2, "model_turn", {"from": "b"})
     steps = await store.steps(rid)
     assert [(s.seq, s.worker, s.lease_epoch) for s in steps] == [
-        (0, "worker-a", 1), (1, "worker-b", 2), (2, "worker-b", 2)]
+        (0, "worker-a", 1),
+        (1, "worker-b", 2),
+        (2, "worker-b", 2),
+    ]
     await store.finish(lease_b, "succeeded", result="done")
     run = await store.get_run(rid)
     assert run.status == "succeeded" and run.result == "done" and run.lease_owner is None
@@ -151,7 +165,7 @@ async def test_run_claimed_max_attempts_times_goes_to_dead_letter(
 ) -> None:
     (rid,) = await make_runs(store, 1, max_attempts=3)
     for attempt in range(1, 4):
-        (run, _), = (await store.claim("default", f"w{attempt}")).claimed
+        ((run, _),) = (await store.claim("default", f"w{attempt}")).claimed
         assert run.attempt == attempt
         await expire_lease(database_url, rid)
     result = await store.claim("default", "w4")
@@ -167,7 +181,7 @@ async def test_run_claimed_max_attempts_times_goes_to_dead_letter(
 
 async def test_cancelled_run_is_not_claimable_and_its_holder_is_stopped(store: Store) -> None:
     pending, held = await make_runs(store, 2)
-    (_, lease), = (await store.claim("default", "w1")).claimed
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
     assert lease.run_id == pending
     await store.cancel(held)  # cancelled before anyone claimed it
     assert (await store.claim("default", "w2")).claimed == []
@@ -184,11 +198,11 @@ async def test_release_hands_the_run_over_at_once_without_spending_an_attempt(
     store: Store,
 ) -> None:
     (rid,) = await make_runs(store, 1)
-    (_, lease), = (await store.claim("default", "w1")).claimed
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
     assert await store.release(lease)
     run = await store.get_run(rid)
     assert run.status == "pending" and run.lease_owner is None and run.attempt == 0
-    (run2, lease2), = (await store.claim("default", "w2")).claimed
+    ((run2, lease2),) = (await store.claim("default", "w2")).claimed
     assert run2.attempt == 1 and lease2.epoch == 2
     with pytest.raises(LeaseLost):
         await store.append_step(lease, 0, "model_turn", {})
@@ -196,17 +210,21 @@ async def test_release_hands_the_run_over_at_once_without_spending_an_attempt(
 
 async def test_renew_extends_the_lease(store: Store) -> None:
     await make_runs(store, 1)
-    (run, lease), = (await store.claim("default", "w1", ttl=2)).claimed
+    ((run, lease),) = (await store.claim("default", "w1", ttl=2)).claimed
     until = await store.renew(lease, ttl=60)
     assert run.lease_until is not None and until > run.lease_until
 
 
 async def test_steps_read_back_in_order_and_verbatim(store: Store) -> None:
     (rid,) = await make_runs(store, 1)
-    (_, lease), = (await store.claim("default", "w1")).claimed
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
     payloads = [
-        {"content": [{"type": "thinking", "thinking": "ü — 🙂", "signature": "c2ln"},
-                     {"type": "text", "text": "x", "citations": None}]},
+        {
+            "content": [
+                {"type": "thinking", "thinking": "ü — 🙂", "signature": "c2ln"},
+                {"type": "text", "text": "x", "citations": None},
+            ]
+        },
         {"content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "3.0"}]},
         {"content": [{"type": "text", "text": "1e400 as text", "n": 12345678901234567890}]},
     ]
@@ -216,7 +234,8 @@ async def test_steps_read_back_in_order_and_verbatim(store: Store) -> None:
     assert [s.seq for s in steps] == [0, 1, 2]
     assert [s.payload for s in steps] == payloads
     assert [json.dumps(s.payload, sort_keys=True) for s in steps] == [
-        json.dumps(p, sort_keys=True) for p in payloads]
+        json.dumps(p, sort_keys=True) for p in payloads
+    ]
     assert steps[0].request_id == "req_0"
     assert (await store.get_run(rid)).next_seq == 3
 
@@ -225,9 +244,25 @@ async def test_pinned_fields_and_prompt_versions_cannot_change(
     store: Store, database_url: str
 ) -> None:
     (rid,) = await make_runs(store, 1)
+    ((run, lease),) = (await store.claim("default", "w1")).claimed
+    assert run.agent_spec == {
+        "model": "claude-sonnet-4-5",
+        "maxTokens": 8192,
+        "pool": "default",
+        "system": "You migrate databases carefully.",
+        "tools": ["read_schema"],
+    }
+    assert await store.pin_prompt_version(lease, PROMPT) == PROMPT.id
+    # A later worker with other tool definitions keeps the first pin.
+    other = PromptVersion(model=PROMPT.model, system=PROMPT.system, tools=[], params={})
+    assert await store.pin_prompt_version(lease, other) == PROMPT.id
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.RestrictViolation, match="pinned"):
             await conn.execute("UPDATE agent_run SET model = 'other' WHERE id = %s", (rid,))
+        with pytest.raises(psycopg.errors.RestrictViolation, match="pinned"):
+            await conn.execute(
+                "UPDATE agent_run SET prompt_version = %s WHERE id = %s", (other.id, rid)
+            )
         with pytest.raises(psycopg.errors.RestrictViolation, match="write-once"):
             await conn.execute("UPDATE prompt_version SET system = 'reworded'")
         with pytest.raises(psycopg.errors.CheckViolation):
@@ -249,8 +284,7 @@ async def test_unknown_run_id_raises_run_not_found(store: Store) -> None:
     with pytest.raises(RunNotFound):
         await store.get_run("00000000-0000-0000-0000-000000000000")
     with pytest.raises(RunNotFound):
-        await store.append_step(
-            Lease(UUID(int=1), "w", 1), 0, "model_turn", {})
+        await store.append_step(Lease(UUID(int=1), "w", 1), 0, "model_turn", {})
 
 
 async def test_listen_reports_run_changes_and_ready_runs(store: Store) -> None:
@@ -267,13 +301,16 @@ async def test_listen_reports_run_changes_and_ready_runs(store: Store) -> None:
     task = asyncio.create_task(listener())
     await asyncio.sleep(0.3)  # LISTEN is in place
     (rid,) = await make_runs(store, 1, pool="p1")
-    (_, lease), = (await store.claim("p1", "w")).claimed
+    ((_, lease),) = (await store.claim("p1", "w")).claimed
     await store.append_step(lease, 0, "model_turn", {})
     await store.cancel(rid)
     await asyncio.wait_for(ready.wait(), 5)
     await task
     changed = [p for c, p in got if c == CHANNEL_RUN_CHANGED]
     assert [(p["status"], p["step"]) for p in changed] == [  # type: ignore[index]
-        ("pending", 0), ("running", 0), ("cancelled", 1)]  # no notification per step
+        ("pending", 0),
+        ("running", 0),
+        ("cancelled", 1),
+    ]  # no notification per step
     assert all(p["id"] == str(rid) and p["pool"] == "p1" for p in changed)  # type: ignore[index]
     assert (CHANNEL_RUN_READY, "p1") in got

@@ -6,3 +6,7 @@ operator -> core <- worker.
 """
 
 __version__ = "0.1.0"
+
+from agentrun.tools import ToolContext, ToolError, ToolKind, tool
+
+__all__ = ["ToolContext", "ToolError", "ToolKind", "__version__", "tool"]

@@ -10,93 +10,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
+import anthropic
 import psycopg
 
 from agentrun import __version__
-from agentrun.config import redact_url
+from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
+from agentrun.config import DATABASE_URL_ENV, redact_url
 from agentrun.embedded import database_url
-from agentrun.errors import AgentrunError, DatabaseUnavailable
-from agentrun.migrations import migrate, schema_version
-from agentrun.store import Run, Step, Store, check_connect
-
-
-def _age(ts: datetime | None) -> str:
-    if ts is None:
-        return "-"
-    secs = int((datetime.now(UTC) - ts).total_seconds())
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if secs >= size:
-            return f"{secs // size}{unit}"
-    return f"{max(secs, 0)}s"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    lines = ["   ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    for row in rows:
-        lines.append("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
-
-
-def _short(text: str | None, n: int = 60) -> str:
-    if not text:
-        return ""
-    one = " ".join(text.split())
-    return one if len(one) <= n else one[: n - 1] + "…"
-
-
-def run_to_json(run: Run) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in vars(run).items():
-        out[key] = value.isoformat() if isinstance(value, datetime) else (
-            str(value) if key == "id" else value
-        )
-    return out
-
-
-def step_to_json(step: Step) -> dict[str, Any]:
-    return {
-        "run_id": str(step.run_id),
-        "seq": step.seq,
-        "kind": step.kind,
-        "payload": step.payload,
-        "request_id": step.request_id,
-        "lease_epoch": step.lease_epoch,
-        "worker": step.worker,
-        "created_at": step.created_at.isoformat(),
-    }
-
-
-def summarize_payload(kind: str, payload: Any) -> str:
-    """One line for a step: what the model said or called, or what a tool returned."""
-    blocks = payload.get("content", payload) if isinstance(payload, dict) else payload
-    if not isinstance(blocks, list):
-        return _short(json.dumps(payload))
-    parts: list[str] = []
-    for b in blocks:
-        if not isinstance(b, dict):
-            continue
-        t = b.get("type")
-        if t == "text":
-            parts.append(_short(b.get("text"), 40))
-        elif t == "thinking":
-            parts.append("[thinking]")
-        elif t == "tool_use":
-            parts.append(f"{b.get('name')}({_short(json.dumps(b.get('input')), 50)})")
-        elif t == "tool_result":
-            err = " ERROR" if b.get("is_error") else ""
-            content = b.get("content")
-            text = content if isinstance(content, str) else json.dumps(content)
-            parts.append(f"→{err} {_short(text, 50)}")
-    return _short(" ".join(parts), 100)
-
+from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
+from agentrun.logs import setup_logging
+from agentrun.manifests import load_manifests
+from agentrun.migrations import latest_version, migrate, schema_version
+from agentrun.store import Store, check_connect
+from agentrun.tools import default_registry, load_tool_modules
 
 # -- commands ------------------------------------------------------------------------------------
 
@@ -111,15 +43,20 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
     finally:
         await conn.close()
     if result.applied:
-        print(f"migrated {redact_url(url)} from version {before} to {result.version} "
-              f"(applied {', '.join(f'{v:04d}' for v in result.applied)})")
+        print(
+            f"migrated {redact_url(url)} from version {before} to {result.version} "
+            f"(applied {', '.join(f'{v:04d}' for v in result.applied)})"
+        )
     else:
         print(f"schema already at version {result.version}; nothing to do")
     return 0
 
 
 async def _open_store() -> Store:
-    return await Store.open(database_url(quiet=True), max_size=2)
+    url = database_url(quiet=True)
+    await check_connect(url)
+    await ensure_schema(url, auto=_using_embedded())
+    return await Store.open(url, max_size=2)
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
@@ -129,12 +66,22 @@ async def cmd_runs(args: argparse.Namespace) -> int:
         print(json.dumps([run_to_json(r) for r in runs], indent=2))
         return 0
     rows = [
-        [str(r.id), r.k8s_name or "-", r.pool, r.status, str(r.next_seq), str(r.attempt),
-         r.model, _age(r.created_at), _short(r.error or r.result, 50)]
+        [
+            str(r.id),
+            r.k8s_name or "-",
+            r.pool,
+            r.status,
+            str(r.next_seq),
+            str(r.attempt),
+            r.model,
+            age(r.created_at),
+            short(r.error or r.result, 50),
+        ]
         for r in runs
     ]
-    print(_table(["ID", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL", "AGE", "MESSAGE"],
-                 rows))
+    print(
+        table(["ID", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL", "AGE", "MESSAGE"], rows)
+    )
     return 0
 
 
@@ -146,12 +93,18 @@ async def cmd_steps(args: argparse.Namespace) -> int:
         print(json.dumps([step_to_json(s) for s in steps], indent=2))
         return 0
     rows = [
-        [str(s.seq), s.kind, s.created_at.strftime("%H:%M:%S.%f")[:-3], s.worker,
-         str(s.lease_epoch), summarize_payload(s.kind, s.payload)]
+        [
+            str(s.seq),
+            s.kind,
+            s.created_at.strftime("%H:%M:%S.%f")[:-3],
+            s.worker,
+            str(s.lease_epoch),
+            summarize_payload(s.kind, s.payload),
+        ]
         for s in steps
     ]
     print(f"run {run.id}: {run.status}, {len(steps)} steps, attempt {run.attempt}")
-    print(_table(["SEQ", "KIND", "TIME", "WORKER", "EPOCH", "SUMMARY"], rows))
+    print(table(["SEQ", "KIND", "TIME", "WORKER", "EPOCH", "SUMMARY"], rows))
     return 0
 
 
@@ -163,6 +116,103 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         return 0
     print(f"run {run.id} already finished ({run.status}); nothing to cancel", file=sys.stderr)
     return 1
+
+
+async def ensure_schema(url: str, *, auto: bool) -> None:
+    """Migrate when ``auto`` (the embedded database: no set-up), else insist it is current."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        if auto:
+            await migrate(conn)
+            return
+        have, need = await schema_version(conn), latest_version()
+    if have < need:
+        raise ConfigError(
+            f"the database schema is at version {have}, this agentrun needs {need}: "
+            "run agentrun migrate"
+        )
+
+
+def _using_embedded() -> bool:
+    return os.environ.get(DATABASE_URL_ENV) is None
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    resolved = load_manifests(args.filename)
+    url = database_url(quiet=True)
+    await check_connect(url)
+    await ensure_schema(url, auto=_using_embedded())
+    async with await Store.open(url, max_size=2) as store:
+        for r in resolved:
+            run, _ = await store.create_run(
+                r.task,
+                r.agent,
+                pool=r.pool,
+                max_steps=r.max_steps,
+                max_attempts=r.max_attempts,
+                external_key=args.idempotency_key,
+            )
+            if args.output == "json":
+                print(json.dumps({"name": r.name, "id": str(run.id), "pool": run.pool}))
+            else:
+                print(run.id)
+    return 0
+
+
+def make_client() -> anthropic.AsyncAnthropic:
+    key = os.environ.get("ANTHROPIC_API_KEY")
+    if not key:
+        raise ConfigError(
+            "ANTHROPIC_API_KEY is not set; set it (from a Secret), or point ANTHROPIC_BASE_URL at "
+            "agentrun fake-anthropic with any key to run offline"
+        )
+    # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
+    return anthropic.AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
+
+
+async def cmd_worker(args: argparse.Namespace) -> int:
+    from agentrun.worker.model_call import RetryPolicy
+    from agentrun.worker.process import Worker, WorkerSettings, default_worker_id
+
+    setup_logging(args.log_format, args.log_level)
+    loaded = load_tool_modules(args.tools)
+    client = make_client()
+    url = database_url()
+    await check_connect(url)
+    await ensure_schema(url, auto=_using_embedded())
+    settings = WorkerSettings(
+        pool=args.pool,
+        concurrency=args.concurrency,
+        lease_ttl=args.lease_ttl,
+        poll_interval=args.poll_interval,
+        drain_grace=args.drain_grace,
+        liveness_threshold=args.liveness_threshold,
+        health_port=None if args.health_port < 0 else args.health_port,
+        worker_id=args.worker_id or default_worker_id(),
+        retry=RetryPolicy(max_retries=args.model_retries),
+    )
+    if loaded:
+        logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
+    store = await Store.open(url, max_size=args.concurrency + 3, lease_ttl=args.lease_ttl)
+    try:
+        worker = Worker(store, client, default_registry, settings)
+        worker.install_signal_handlers()
+        await worker.serve()
+    finally:
+        await store.close()
+        await client.close()
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    from agentrun.demo import run_demo
+
+    return await run_demo(model=args.model)
+
+
+def cmd_fake_anthropic(argv: list[str]) -> int:
+    from agentrun.fake_anthropic import main as fake_main
+
+    return fake_main(argv)
 
 
 # -- wiring --------------------------------------------------------------------------------------
@@ -194,6 +244,59 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", choices=["table", "json"], default="table")
     s.set_defaults(func=cmd_steps)
 
+    s = sub.add_parser("submit", help="create runs from AgentRun (and Agent) manifests")
+    s.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        help="manifest file; repeat to pass the Agent an AgentRun refers to",
+    )
+    s.add_argument("--idempotency-key", help="create the run only once for this key")
+    s.add_argument("-o", "--output", choices=["id", "json"], default="id")
+    s.set_defaults(func=cmd_submit)
+
+    s = sub.add_parser("worker", help="run a worker process")
+    s.add_argument("--pool", default=_env("POOL", "default"))
+    s.add_argument(
+        "--concurrency", type=int, default=int(_env("CONCURRENCY", "4")), help="runs held at once"
+    )
+    s.add_argument(
+        "--tools",
+        action="append",
+        default=_env_list("TOOLS"),
+        metavar="MODULE",
+        help="module or .py file defining @tool functions; repeatable",
+    )
+    s.add_argument("--lease-ttl", type=float, default=float(_env("LEASE_TTL", "15")))
+    s.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "5")))
+    s.add_argument("--drain-grace", type=float, default=float(_env("DRAIN_GRACE", "25")))
+    s.add_argument(
+        "--liveness-threshold",
+        type=float,
+        default=float(_env("LIVENESS_THRESHOLD", "60")),
+        help="/healthz fails after this many seconds without progress",
+    )
+    s.add_argument(
+        "--health-port",
+        type=int,
+        default=int(_env("HEALTH_PORT", "8080")),
+        help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
+    )
+    s.add_argument("--model-retries", type=int, default=int(_env("MODEL_RETRIES", "8")))
+    s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
+    s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
+    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("demo", help="the whole story on one machine: a run survives SIGKILL")
+    s.add_argument("--model", help="use the real API with this model (needs ANTHROPIC_API_KEY)")
+    s.set_defaults(func=cmd_demo)
+
+    sub.add_parser(
+        "fake-anthropic", help="the scripted Messages API server (see docs)", add_help=False
+    )
+
     s = sub.add_parser("cancel", help="cancel a run (stops an in-flight model call)")
     s.add_argument("run", help="run id")
     s.add_argument("--reason")
@@ -202,7 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"AGENTRUN_{name}", default)
+
+
+def _env_list(name: str) -> list[str]:
+    return [x for x in os.environ.get(f"AGENTRUN_{name}", "").split(",") if x]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fake-anthropic"]:
+        return cmd_fake_anthropic(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     func: AsyncCommand = args.func

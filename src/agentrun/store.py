@@ -37,6 +37,7 @@ from agentrun.errors import (
     RunCancelled,
     RunNotFound,
 )
+from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,7 @@ log = logging.getLogger(__name__)
 RunStatus = Literal[
     "pending", "running", "waiting_approval", "succeeded", "failed", "cancelled", "dead_letter"
 ]
-TERMINAL_STATUSES: frozenset[str] = frozenset(
-    {"succeeded", "failed", "cancelled", "dead_letter"}
-)
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "dead_letter"})
 StepKind = Literal["model_turn", "tool_result", "user", "note"]
 
 #: Notification channels (see docs/store.md).
@@ -97,7 +96,8 @@ class Run:
     status: str
     task: str
     model: str
-    prompt_version: str
+    agent_spec: dict[str, Any]
+    prompt_version: str | None
     max_steps: int
     max_attempts: int
     lease_owner: str | None
@@ -264,28 +264,28 @@ class Store:
     async def create_run(
         self,
         task: str,
-        prompt: PromptVersion,
+        agent: AgentSpec,
         *,
-        pool: str = "default",
+        pool: str | None = None,
         max_steps: int = 50,
         max_attempts: int = 8,
         external_key: str | None = None,
         k8s: K8sRef | None = None,
     ) -> tuple[Run, bool]:
-        """Create a run pinned to ``prompt``; idempotent on ``external_key`` (for an AgentRun
-        object: ``k8s:<uid>``). Returns the run and whether this call created it."""
+        """Create a run pinned to ``agent`` (model, system prompt, tool names, params);
+        idempotent on ``external_key`` (for an AgentRun object: ``k8s:<uid>``). Returns the run
+        and whether this call created it."""
         if k8s is not None and external_key is None:
             external_key = f"k8s:{k8s.uid}"
-        await self.ensure_prompt_version(prompt)
         params = {
             "external_key": external_key,
             "k8s_namespace": k8s.namespace if k8s else None,
             "k8s_name": k8s.name if k8s else None,
             "k8s_uid": k8s.uid if k8s else None,
-            "pool": pool,
+            "pool": pool or agent.pool,
             "task": task,
-            "model": prompt.model,
-            "prompt_version": prompt.id,
+            "model": agent.model,
+            "agent_spec": Jsonb(agent.pinned()),
             "max_steps": max_steps,
             "max_attempts": max_attempts,
         }
@@ -334,14 +334,27 @@ class Store:
                 {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl},
             )
             rows = await cur.fetchall()
-        claimed = [
-            (r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"
-        ]
+        claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
         for r in dead:
-            log.warning("run %s dead-lettered after %d claims", r.id, r.attempt,
-                        extra={"run_id": str(r.id)})
+            log.warning(
+                "run %s dead-lettered after %d claims", r.id, r.attempt, extra={"run_id": str(r.id)}
+            )
         return ClaimResult(claimed=claimed, dead_lettered=dead)
+
+    async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
+        """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
+        (the earlier one wins: a resumed run keeps what it first sent)."""
+        await self.ensure_prompt_version(pv)
+        params = self._fence_params(lease)
+        params["prompt_version"] = pv.id
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["pin_prompt_version"], params)
+            row = await cur.fetchone()
+            if row is None:
+                raise await self._fence_error(conn, lease)
+        pinned: str = row[0]
+        return pinned
 
     async def renew(self, lease: Lease, *, ttl: float | None = None) -> datetime:
         async with self.pool.connection() as conn:
@@ -387,6 +400,28 @@ class Store:
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["release_lease"], self._fence_params(lease))
             return await cur.fetchone() is not None
+
+    async def abandon(self, lease: Lease, error: str) -> bool:
+        """Give the claim up, keeping the attempt spent (see queries.sql abandon_run)."""
+        params = self._fence_params(lease)
+        params["error"] = error
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["abandon_run"], params)
+            return await cur.fetchone() is not None
+
+    async def next_lease_expiry(self, pool: str) -> float | None:
+        """Seconds until the earliest live lease of ``pool`` expires (None: no running run)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["next_lease_expiry"], {"pool": pool})
+            row = await cur.fetchone()
+        if row is None or row[0] is None:
+            return None
+        return float(row[0].total_seconds())
+
+    async def run_statuses(self, ids: Sequence[UUID]) -> dict[UUID, tuple[str, int]]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["run_statuses"], {"ids": list(ids)})
+            return {rid: (status, epoch) for rid, status, epoch in await cur.fetchall()}
 
     async def finish(
         self,
@@ -460,9 +495,7 @@ class Store:
             "ttl": ttl if ttl is not None else self.lease_ttl,
         }
 
-    async def _fence_error(
-        self, conn: psycopg.AsyncConnection[Any], lease: Lease
-    ) -> Exception:
+    async def _fence_error(self, conn: psycopg.AsyncConnection[Any], lease: Lease) -> Exception:
         """Explain why a fenced write matched nothing."""
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(queries["fence_state"], {"run_id": lease.run_id})

@@ -16,9 +16,9 @@ SELECT id, model, system, tools::text AS tools, params::text AS params
 -- Idempotent on external_key: a replayed create (an operator handler that ran twice) returns
 -- nothing here and the caller reads the existing row.
 INSERT INTO agent_run (external_key, k8s_namespace, k8s_name, k8s_uid, pool, task, model,
-                       prompt_version, max_steps, max_attempts)
+                       agent_spec, max_steps, max_attempts)
 VALUES (%(external_key)s, %(k8s_namespace)s, %(k8s_name)s, %(k8s_uid)s, %(pool)s, %(task)s,
-        %(model)s, %(prompt_version)s, %(max_steps)s, %(max_attempts)s)
+        %(model)s, %(agent_spec)s, %(max_steps)s, %(max_attempts)s)
 ON CONFLICT DO NOTHING
 RETURNING *;
 
@@ -88,6 +88,14 @@ INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, wor
 SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(worker)s
   FROM fence
 RETURNING seq, created_at;
+
+-- pin_prompt_version --
+-- Invariant 3: the first worker to claim a run pins the tool definitions it resolved; later
+-- claims (another worker, a redeployed image with changed tools) reuse them. Fenced.
+UPDATE agent_run SET prompt_version = coalesce(prompt_version, %(prompt_version)s)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING prompt_version;
 
 -- renew_lease --
 UPDATE agent_run
@@ -166,3 +174,22 @@ INSERT INTO agentrun_migration (version, name) VALUES (%(version)s, %(name)s);
 
 -- schema_version --
 SELECT coalesce(max(version), 0) AS version FROM agentrun_migration;
+
+-- abandon_run --
+-- Give a claim up WITHOUT giving the attempt back (transient provider failures outlasted the retry
+-- budget, or an unexpected error): claimable again at once, and the attempt counter moves on
+-- toward the dead letter, so a run that fails every time stops.
+UPDATE agent_run
+   SET status = 'pending', lease_owner = NULL, lease_until = NULL, error = %(error)s
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
+-- next_lease_expiry --
+-- When a claim found nothing, the poller sleeps until the earliest lease of another worker runs
+-- out, so a dead worker's run is resumed within moments of its TTL instead of a poll interval.
+SELECT min(lease_until) - now() AS wait FROM agent_run
+ WHERE pool = %(pool)s AND status = 'running' AND lease_until IS NOT NULL;
+
+-- run_statuses --
+SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);

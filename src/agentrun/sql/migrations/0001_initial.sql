@@ -6,7 +6,8 @@
 --     finished runs by setting agentrun.allow_prune = 'on' in its own transaction);
 --   * PRIMARY KEY (run_id, seq) makes a double-write of a step impossible;
 --   * prompt_version is write-once and content-addressed;
---   * the pinned parts of a run (task, model, prompt version, kubernetes identity) never change;
+--   * the pinned parts of a run (task, model, agent spec, kubernetes identity) never change, and its
+--     prompt version (the tool definitions resolved by the first worker to claim it) is set once;
 --   * status is a closed set (text + CHECK, not an ENUM, so values can be added or dropped later).
 
 CREATE TABLE prompt_version (
@@ -31,7 +32,8 @@ CREATE TABLE agent_run (
                        'succeeded', 'failed', 'cancelled', 'dead_letter')),
     task           text NOT NULL,
     model          text NOT NULL,
-    prompt_version text NOT NULL REFERENCES prompt_version (id),
+    agent_spec     jsonb NOT NULL,             -- model, system, tool names, params: pinned at create
+    prompt_version text REFERENCES prompt_version (id),  -- pinned at first claim, then never again
     max_steps      integer NOT NULL DEFAULT 50 CHECK (max_steps > 0),
     max_attempts   integer NOT NULL DEFAULT 8 CHECK (max_attempts > 0),
     lease_owner    text,
@@ -102,10 +104,11 @@ LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.task IS DISTINCT FROM OLD.task
        OR NEW.model IS DISTINCT FROM OLD.model
-       OR NEW.prompt_version IS DISTINCT FROM OLD.prompt_version
+       OR NEW.agent_spec IS DISTINCT FROM OLD.agent_spec
+       OR (OLD.prompt_version IS NOT NULL AND NEW.prompt_version IS DISTINCT FROM OLD.prompt_version)
        OR NEW.k8s_uid IS DISTINCT FROM OLD.k8s_uid
        OR NEW.external_key IS DISTINCT FROM OLD.external_key THEN
-        RAISE EXCEPTION 'agent_run %: task, model, prompt_version and identity are pinned', OLD.id
+        RAISE EXCEPTION 'agent_run %: task, model, agent spec, prompt version and identity are pinned', OLD.id
             USING ERRCODE = 'restrict_violation';
     END IF;
     NEW.updated_at := now();

@@ -1,0 +1,537 @@
+"""The HTTP side: an aiohttp app that speaks the Messages API well enough for the real SDK.
+
+Turn selection is stateless on purpose: the turn index of a request is the number of assistant
+messages it carries, and the script is chosen from the first user message. A client that crashes
+and resumes from its stored history therefore gets the same answer a never-crashed client would,
+and any number of workers can share one server. Only the injected-fault counters and the request
+log live in memory; ``POST /_fake/reset`` clears both.
+
+Streaming emits the same server-sent events as the real API (message_start, ping,
+content_block_start/delta/stop, message_delta, message_stop), built from the very dict the
+non-streaming call returns, so ``stream.get_final_message()`` equals the non-streaming Message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from aiohttp import web
+
+from agentrun.fake_anthropic.scenario import (
+    Fault,
+    Scenario,
+    Script,
+    TextBlock,
+    ThinkingBlock,
+    Turn,
+    error_type_for,
+    resolve_scenario,
+)
+from agentrun.fake_anthropic.signing import canonical_json, find_invalid_signature, sign_thinking
+
+log = logging.getLogger("agentrun.fake_anthropic")
+
+# Deltas are cut into pieces of this many characters so clients see a real multi-chunk stream.
+CHUNK_CHARS = 32
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+class ApiError(Exception):
+    """An error answer in the real API's JSON shape."""
+
+    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type or error_type_for(status)
+        self.headers: dict[str, str] = {}
+
+
+class ServerState:
+    """Everything mutable: the request log and the fault counters (per script and turn)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.log: list[dict[str, Any]] = []
+        self.fault_counters: dict[tuple[str, int], int] = {}
+
+    def reset(self) -> None:
+        self.log.clear()
+        self.fault_counters.clear()
+
+    def next_fault(self, script: Script, turn_index: int, turn: Turn) -> Fault | None:
+        """The fault for this (script, turn)'s next request, or None once all are used up."""
+        key = (script.name, turn_index)
+        seen = self.fault_counters.get(key, 0)
+        self.fault_counters[key] = seen + 1
+        upto = 0
+        for fault in turn.faults:
+            upto += fault.times
+            if seen < upto:
+                return fault
+        return None
+
+
+# --- request parsing -------------------------------------------------------------------------
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(block.get("text", ""))
+            for block in content
+            if isinstance(block, dict) and block.get("type") == "text"
+        )
+    return ""
+
+
+def _validate_body(body: Any) -> dict[str, Any]:
+    """The few checks the real API makes that a client bug would trip, with its field paths."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if not isinstance(body.get("model"), str):
+        raise ApiError(400, "model: Field required")
+    if not isinstance(body.get("max_tokens"), int):
+        raise ApiError(400, "max_tokens: Field required")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: Field required (a non-empty list)")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
+        if "content" not in message:
+            raise ApiError(400, f"messages.{i}.content: Field required")
+    return body
+
+
+def _tool_names(tools: Any) -> list[str]:
+    if not isinstance(tools, list):
+        return []
+    return [str(tool.get("name")) for tool in tools if isinstance(tool, dict)]
+
+
+def estimate_tokens(value: Any) -> int:
+    """A deterministic stand-in for token counts: four characters of canonical JSON per token."""
+    return max(1, len(canonical_json(value)) // 4)
+
+
+def tool_use_id(script_name: str, turn_index: int, block_index: int) -> str:
+    """Deterministic, so a resumed client sees the same ids it saw before the crash."""
+    seed = f"{script_name}\x1f{turn_index}\x1f{block_index}".encode()
+    return "toolu_" + hashlib.sha256(seed).hexdigest()[:24]
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+def build_message(
+    scenario: Scenario, script: Script, turn_index: int, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The Message the non-streaming call returns; streaming replays it as events."""
+    turn = script.turns[turn_index]
+    content: list[dict[str, Any]] = []
+    for k, block in enumerate(turn.content):
+        if isinstance(block, TextBlock):
+            content.append({"type": "text", "text": block.text, "citations": None})
+        elif isinstance(block, ThinkingBlock):
+            signature = sign_thinking(
+                scenario.secret,
+                model=body.get("model"),
+                system=body.get("system"),
+                tools=body.get("tools"),
+                messages_before=body["messages"],
+                thinking=block.thinking,
+            )
+            content.append({"type": "thinking", "thinking": block.thinking, "signature": signature})
+        else:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": block.id or tool_use_id(script.name, turn_index, k),
+                    "name": block.name,
+                    "input": block.input,
+                }
+            )
+    prompt = {k: body.get(k) for k in ("system", "tools", "messages")}
+    return {
+        "id": "msg_fake_" + secrets.token_hex(12),
+        "type": "message",
+        "role": "assistant",
+        "model": body["model"],
+        "content": content,
+        "stop_reason": turn.effective_stop_reason,
+        "stop_sequence": None,
+        "stop_details": None,
+        "usage": {
+            "input_tokens": estimate_tokens(prompt),
+            "output_tokens": estimate_tokens(content),
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
+
+
+def _chunks(text: str) -> Iterator[str]:
+    for start in range(0, len(text), CHUNK_CHARS):
+        yield text[start : start + CHUNK_CHARS]
+
+
+def stream_events(message: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The SSE events, in the real API's order, that assemble into ``message``."""
+    usage = message["usage"]
+    start = {
+        **message,
+        "content": [],
+        "stop_reason": None,
+        "usage": {**usage, "output_tokens": 1},
+    }
+    yield "message_start", {"type": "message_start", "message": start}
+    yield "ping", {"type": "ping"}
+    for index, block in enumerate(message["content"]):
+        kind = block["type"]
+        if kind == "text":
+            empty: dict[str, Any] = {**block, "text": ""}
+            deltas = [{"type": "text_delta", "text": piece} for piece in _chunks(block["text"])]
+        elif kind == "thinking":
+            empty = {**block, "thinking": "", "signature": ""}
+            deltas = [
+                {"type": "thinking_delta", "thinking": piece}
+                for piece in _chunks(block["thinking"])
+            ]
+            deltas.append({"type": "signature_delta", "signature": block["signature"]})
+        else:
+            empty = {**block, "input": {}}
+            raw = json.dumps(block["input"], ensure_ascii=False)
+            deltas = [{"type": "input_json_delta", "partial_json": ""}]
+            deltas += [{"type": "input_json_delta", "partial_json": p} for p in _chunks(raw)]
+        yield (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": empty,
+            },
+        )
+        for delta in deltas:
+            event = {"type": "content_block_delta", "index": index, "delta": delta}
+            yield "content_block_delta", event
+        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+    yield (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+            "usage": usage,
+        },
+    )
+    yield "message_stop", {"type": "message_stop"}
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+def _request_id() -> str:
+    return "req_fake_" + secrets.token_hex(12)
+
+
+def _error_response(err: ApiError, request_id: str) -> web.Response:
+    payload = {
+        "type": "error",
+        "error": {"type": err.error_type, "message": err.message},
+        "request_id": request_id,
+    }
+    headers = {"request-id": request_id, **err.headers}
+    return web.json_response(payload, status=err.status, headers=headers)
+
+
+def _check_api_key(scenario: Scenario, request: web.Request) -> None:
+    if scenario.api_key is None:
+        return
+    given = request.headers.get("x-api-key")
+    bearer = request.headers.get("authorization", "")
+    if bearer.lower().startswith("bearer "):
+        given = given or bearer[7:]
+    if given is None or not secrets.compare_digest(given, scenario.api_key):
+        raise ApiError(401, "invalid x-api-key")
+
+
+def _select(scenario: Scenario, body: dict[str, Any]) -> tuple[Script, int]:
+    """Which script and turn answer this request; raises the 400/404 the client should see."""
+    if scenario.models is not None and body["model"] not in scenario.models:
+        raise ApiError(404, f"model: {body['model']}")
+    messages: list[dict[str, Any]] = body["messages"]
+    first_user = next((m for m in messages if m.get("role") == "user"), None)
+    if first_user is None:
+        raise ApiError(400, "messages: at least one user message is required")
+    script = scenario.select_script(_text_of(first_user.get("content")))
+    if script is None:
+        raise ApiError(
+            400,
+            f"fake-anthropic: no script of scenario {scenario.name!r} matches the first user "
+            "message, and the scenario has no default script (one without `match`)",
+        )
+    turn_index = sum(1 for m in messages if m.get("role") == "assistant")
+    if turn_index >= len(script.turns):
+        raise ApiError(
+            400,
+            f"fake-anthropic: script {script.name!r} has {len(script.turns)} turn(s) "
+            f"(0..{len(script.turns) - 1}); this request carries {turn_index} assistant "
+            f"message(s), so it asks for turn {turn_index}, which is not scripted",
+        )
+    return script, turn_index
+
+
+class _Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        scenario = self.state.scenario
+        request_id = _request_id()
+        entry: dict[str, Any] = {"request_id": request_id, "path": request.path}
+        self.state.log.append(entry)
+        try:
+            _check_api_key(scenario, request)
+            try:
+                raw = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError(400, "request body is not valid JSON") from None
+            body = _validate_body(raw)
+            entry.update(
+                model=body["model"],
+                system=body.get("system"),
+                tools=_tool_names(body.get("tools")),
+                n_messages=len(body["messages"]),
+                stream=bool(body.get("stream")),
+            )
+            script, turn_index = _select(scenario, body)
+            entry.update(script=script.name, turn=turn_index)
+            invalid = find_invalid_signature(scenario.secret, body)
+            if invalid is not None:
+                raise ApiError(400, invalid)
+            turn = script.turns[turn_index]
+            delay_ms = turn.delay_ms if turn.delay_ms is not None else scenario.delay_ms
+            if delay_ms:
+                await asyncio.sleep(delay_ms / 1000)
+            fault = self.state.next_fault(script, turn_index, turn)
+            if fault is not None:
+                raise _fault_error(fault)
+            message = build_message(scenario, script, turn_index, body)
+        except ApiError as err:
+            entry.update(status=err.status, error=err.message, completed=True)
+            log.info("%s %s -> %d %s", request.method, request.path, err.status, err.error_type)
+            return _error_response(err, request_id)
+        entry["status"] = 200
+        log.info(
+            "%s %s script=%s turn=%d stream=%s -> 200",
+            request.method,
+            request.path,
+            script.name,
+            turn_index,
+            entry["stream"],
+        )
+        if not entry["stream"]:
+            entry["completed"] = True
+            return web.json_response(message, headers={"request-id": request_id})
+        stream_delay = turn.stream_delay_ms
+        if stream_delay is None:
+            stream_delay = scenario.stream_delay_ms
+        return await _stream(request, request_id, message, stream_delay / 1000, entry)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        request_id = _request_id()
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return _error_response(ApiError(400, "request body is not valid JSON"), request_id)
+        if not isinstance(body, dict):
+            return _error_response(ApiError(400, "request body must be a JSON object"), request_id)
+        prompt = {k: body.get(k) for k in ("system", "tools", "messages")}
+        return web.json_response(
+            {"input_tokens": estimate_tokens(prompt)}, headers={"request-id": request_id}
+        )
+
+    async def requests_log(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state.log)
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.state.reset()
+        return web.json_response({"ok": True})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        err = ApiError(404, f"fake-anthropic: no route {request.method} {request.path}")
+        return _error_response(err, _request_id())
+
+
+def _fault_error(fault: Fault) -> ApiError:
+    err = ApiError(fault.status, fault.error_message, fault.error_type)
+    if fault.retry_after is not None:
+        seconds = fault.retry_after
+        err.headers["retry-after"] = str(int(seconds)) if seconds == int(seconds) else str(seconds)
+        err.headers["retry-after-ms"] = str(int(seconds * 1000))
+    return err
+
+
+async def _stream(
+    request: web.Request,
+    request_id: str,
+    message: dict[str, Any],
+    delay: float,
+    entry: dict[str, Any],
+) -> web.StreamResponse:
+    """Write the events with ``delay`` seconds between them; a vanished client is not an error."""
+    response = web.StreamResponse(
+        headers={
+            "content-type": "text/event-stream",
+            "cache-control": "no-cache",
+            "request-id": request_id,
+        }
+    )
+    entry.update(completed=False, disconnected=False)
+    await response.prepare(request)
+    events = list(stream_events(message))
+    try:
+        for n, (name, data) in enumerate(events):
+            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+            if delay and n < len(events) - 1:
+                await asyncio.sleep(delay)
+        await response.write_eof()
+    except ConnectionError:
+        log.info("client went away mid-stream (%s)", request_id)
+        entry["disconnected"] = True
+        return response
+    entry["completed"] = True
+    return response
+
+
+def build_app(state: ServerState) -> web.Application:
+    handlers = _Handlers(state)
+    # Long agent histories exceed aiohttp's 1 MiB default; the real API takes 32 MB requests.
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app.router.add_post("/v1/messages", handlers.messages)
+    app.router.add_post("/v1/messages/count_tokens", handlers.count_tokens)
+    app.router.add_get("/_fake/requests", handlers.requests_log)
+    app.router.add_post("/_fake/reset", handlers.reset)
+    app.router.add_route("*", "/{tail:.*}", handlers.not_found)
+    return app
+
+
+# --- running it ------------------------------------------------------------------------------
+
+
+class FakeAnthropicServer:
+    """The server, either inside a running loop (``await start()`` / ``await stop()``, or
+    ``async with``) or in a background thread with its own loop (``with``), for sync callers."""
+
+    def __init__(self, scenario: Scenario | str | Path, host: str = "127.0.0.1", port: int = 0):
+        self.scenario = scenario if isinstance(scenario, Scenario) else resolve_scenario(scenario)
+        self.host = host
+        self._requested_port = port
+        self.state = ServerState(self.scenario)
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("fake-anthropic server is not started")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def requests(self) -> list[dict[str, Any]]:
+        """A copy of the request log (same content as ``GET /_fake/requests``)."""
+        return [dict(entry) for entry in self.state.log]
+
+    def reset(self) -> None:
+        """Clear the request log and the fault counters (same as ``POST /_fake/reset``)."""
+        self.state.reset()
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            raise RuntimeError("fake-anthropic server already started")
+        runner = web.AppRunner(build_app(self.state), access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self._requested_port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self._port = int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    def __enter__(self) -> Self:
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start())
+            except BaseException as err:  # handed to the caller's thread below
+                failure.append(err)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(self.stop())
+                loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="fake-anthropic", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            self._thread = self._loop = None
+            raise failure[0]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._thread = self._loop = None

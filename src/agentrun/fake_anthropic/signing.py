@@ -1,0 +1,89 @@
+"""Thinking-block signatures, as strict as the real API's.
+
+The real API rejects a replayed thinking block whose signature does not match the conversation it
+was produced in. That is the failure a durable runtime must never cause: it stores the history,
+resumes elsewhere, and sends it back. To catch a runtime that changes anything it stores, the fake
+binds each signature to the model, the system prompt, the tool definitions, every message before
+the assistant message carrying the block, and the thinking text itself.
+
+The binding is over *canonical* JSON (sorted keys, no whitespace), so reordered keys (Postgres
+JSONB does that) still verify while any added, dropped or changed field or value does not: a
+dropped ``"citations": null`` is a change, exactly as it is for the real API.
+
+The secret comes from the scenario, not from the process, so a restarted server still accepts
+signatures it handed out before the restart.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from typing import Any
+
+
+def canonical_json(value: Any) -> str:
+    """Key order does not matter; every key, value and type does."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sign_thinking(
+    secret: str,
+    *,
+    model: Any,
+    system: Any,
+    tools: Any,
+    messages_before: list[Any],
+    thinking: str,
+) -> str:
+    """HMAC-SHA256 over the canonical binding, base64-encoded like the API's opaque signatures."""
+    payload = canonical_json(
+        {
+            "model": model,
+            "system": system,
+            "tools": tools,
+            "messages_before": messages_before,
+            "thinking_text": thinking,
+        }
+    )
+    digest = hmac.new(secret.encode(), payload.encode(), hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def invalid_signature_message(message_index: int, block_index: int) -> str:
+    """The real API's wording, so clients that match on it behave the same against the fake."""
+    where = f"messages.{message_index}.content.{block_index}"
+    return f"{where}: Invalid `signature` in `thinking` block"
+
+
+def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
+    """Check every thinking block of every assistant message against the request's own
+    model/system/tools/messages[:i]; return the first error message, or None when all verify."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for k, block in enumerate(content):
+            if not isinstance(block, dict) or block.get("type") != "thinking":
+                continue
+            signature = block.get("signature")
+            thinking = block.get("thinking")
+            if not isinstance(signature, str) or not isinstance(thinking, str):
+                return invalid_signature_message(i, k)
+            expected = sign_thinking(
+                secret,
+                model=body.get("model"),
+                system=body.get("system"),
+                tools=body.get("tools"),
+                messages_before=messages[:i],
+                thinking=thinking,
+            )
+            if not hmac.compare_digest(expected, signature):
+                return invalid_signature_message(i, k)
+    return None

@@ -1,0 +1,39 @@
+"""Named fault points for crash tests. Off unless AGENTRUN_TEST_FAULTS is set.
+
+``AGENTRUN_TEST_FAULTS="after_model_turn_commit@3,mid_model_stream@7"`` makes the process SIGKILL
+itself at that point when the step's seq matches (``@*`` matches any seq). Points:
+
+* ``mid_model_stream``: the first event of a streamed model turn has arrived, nothing committed;
+* ``after_model_turn_commit``: a model turn is committed, its tools not yet run;
+* ``after_tool_return``: a tool returned, its result not committed;
+* ``after_tool_result_commit``: a tool_result step is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_ENV = "AGENTRUN_TEST_FAULTS"
+
+
+def _armed() -> set[tuple[str, str]]:
+    raw = os.environ.get(_ENV, "")
+    out = set()
+    for item in raw.split(","):
+        item = item.strip()
+        if item:
+            point, _, seq = item.partition("@")
+            out.add((point, seq or "*"))
+    return out
+
+
+_ARMED = _armed()
+
+
+def crash_point(point: str, seq: int) -> None:
+    """SIGKILL this process if ``point`` is armed for ``seq``. A no-op in production."""
+    if not _ARMED:
+        return
+    if (point, str(seq)) in _ARMED or (point, "*") in _ARMED:
+        os.kill(os.getpid(), signal.SIGKILL)

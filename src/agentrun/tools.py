@@ -1,0 +1,635 @@
+"""The tool SDK: how users declare the tools their agent may call.
+
+A tool is a plain function (sync or async) whose first parameter is a :class:`ToolContext`; the
+other parameters, with their type hints and defaults, become the JSON schema the model sees::
+
+    from agentrun import tool, ToolContext
+
+    @tool(kind="non_idempotent")
+    def send_email(ctx: ToolContext, to: str, body: str) -> str:
+        \"\"\"Send an email.\"\"\"
+        ...
+
+Every tool declares one of four classes (``kind``). The class tells the runtime what it may do
+when a worker dies in the middle of a call and the run is resumed elsewhere:
+
+``pure``
+    No side effects (a computation, a parse). Resume policy: simply re-run.
+``idempotent``
+    Side effects, but running it twice is the same as running it once (a PUT, an upsert, a read).
+    Resume policy: re-run.
+``non_idempotent``
+    Running it twice would do the thing twice (send an email, charge a card). Resume policy: the
+    call carries ``ctx.idempotency_key`` (derived from the step position, identical on every
+    attempt) for the tool to hand to the remote system, and once the effect is recorded its
+    recorded result is reused instead of calling again.
+``irreversible``
+    Cannot be undone and the remote system offers no idempotency (a wire transfer, a deploy to
+    production). Resume policy: an intent row is written before the call; if the worker dies
+    between the intent and the recorded outcome, the outcome is unknown and the run waits for a
+    human instead of guessing. Never retried automatically.
+
+This module only *declares*: it builds the schema, validates model input, converts return values
+and classifies exceptions (:meth:`ToolSpec.classify`). The runtime that enforces the resume
+policies (intent rows, recorded effects, retries with backoff, compensation) lives in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import enum
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_type_hints, overload
+
+import pydantic
+import pydantic_core
+
+from agentrun.errors import AgentrunError, ConfigError
+
+__all__ = [
+    "Disposition",
+    "KindName",
+    "ToolContext",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolKind",
+    "ToolLoadError",
+    "ToolOutcome",
+    "ToolRegistry",
+    "ToolSpec",
+    "UnknownToolError",
+    "default_registry",
+    "idempotency_key",
+    "load_tool_modules",
+    "make_context",
+    "run_logger",
+    "tool",
+    "tool_spec",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+KindName = Literal["pure", "idempotent", "non_idempotent", "irreversible"]
+OnError = Literal["result", "abort"]
+Disposition = Literal["retry", "result", "abort"]
+
+_TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_SPEC_ATTR = "__agentrun_tool__"
+
+
+class ToolKind(enum.StrEnum):
+    """The four tool classes; see the module docstring for each one's resume policy."""
+
+    PURE = "pure"
+    IDEMPOTENT = "idempotent"
+    NON_IDEMPOTENT = "non_idempotent"
+    IRREVERSIBLE = "irreversible"
+
+    @property
+    def rerun_on_resume(self) -> bool:
+        """True when a call whose outcome was not recorded may simply be run again."""
+        return self in (ToolKind.PURE, ToolKind.IDEMPOTENT)
+
+
+_KIND_VALUES = ", ".join(k.value for k in ToolKind)
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class ToolError(Exception):
+    """Raise from a tool to report ``str(err)`` to the model as an error tool_result.
+
+    Applies whatever the tool's ``on_error`` and ``retryable`` say: it is the tool's own, deliberate
+    answer ("no such customer"), not a failure of the infrastructure.
+    """
+
+
+class ToolDefinitionError(ConfigError, ValueError):
+    """A tool is declared wrongly (bad kind, missing ctx parameter, duplicate name, ...)."""
+
+
+class ToolLoadError(ConfigError):
+    """A module given to ``--tools`` could not be imported."""
+
+
+class UnknownToolError(AgentrunError, KeyError):
+    """A tool name that is not registered (a KeyError, so ``except KeyError`` also catches it)."""
+
+    def __init__(self, names: str | Sequence[str], known: Sequence[str]) -> None:
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.name = self.names[0] if self.names else ""
+        self.known = sorted(known)
+        listed = ", ".join(self.names)
+        noun = "tool" if len(self.names) == 1 else "tools"
+        if self.known:
+            hint = "known tools: " + ", ".join(self.known)
+        else:
+            hint = "no tools are registered; load them with: agentrun worker --tools MODULE"
+        msg = f"unknown {noun} {listed} ({hint})"
+        AgentrunError.__init__(self, msg)
+        self.message = msg
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+# -------------------------------------------------------------------------------------- context
+
+
+def run_logger(run_id: str, **extra: Any) -> logging.LoggerAdapter[logging.Logger]:
+    """A logger whose records carry ``run_id`` (and any ``extra``) as record attributes."""
+    return logging.LoggerAdapter(logging.getLogger("agentrun.tools"), {"run_id": run_id, **extra})
+
+
+def idempotency_key(run_id: str, seq: int, tool: str, args: dict[str, Any], call_index: int) -> str:
+    """The idempotency key of one tool call, derived from its position in the run.
+
+    Never from the clock or a random id: every attempt at the same step yields the same key, and
+    two identical calls in the same turn differ by ``call_index``.
+    """
+    canonical = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    raw = f"{run_id}:{seq}:{call_index}:{tool}:{canonical}"
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool learns about the call it is serving (the first parameter of every tool)."""
+
+    run_id: str
+    seq: int  # step position of the tool_use turn in the run
+    call_index: int  # index of this call among the turn's tool_use blocks
+    tool_name: str
+    idempotency_key: str  # identical on every attempt at this call; hand it to remote systems
+    attempt: int = 1  # 1 on the first try, incremented by each retry
+
+    @cached_property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger whose records carry ``run_id`` (plus seq, call_index, tool and attempt)."""
+        return run_logger(
+            self.run_id,
+            seq=self.seq,
+            call_index=self.call_index,
+            tool=self.tool_name,
+            attempt=self.attempt,
+        )
+
+
+def make_context(
+    run_id: str, seq: int, call_index: int, tool_name: str, args: dict[str, Any], attempt: int = 1
+) -> ToolContext:
+    """Build the :class:`ToolContext` for one call, computing its idempotency key."""
+    key = idempotency_key(run_id, seq, tool_name, args, call_index)
+    return ToolContext(run_id, seq, call_index, tool_name, key, attempt)
+
+
+# ----------------------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """The result of one invocation: ``content`` becomes the tool_result block's content."""
+
+    content: str
+    is_error: bool = False
+    value: Any = None  # JSON-able return value (None for errors), for recording
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    doc = inspect.getdoc(fn)
+    if not doc:
+        return ""
+    first = doc.strip().split("\n\n", 1)[0]
+    return " ".join(first.split())
+
+
+def _strip_titles(node: Any) -> Any:
+    """Drop pydantic's ``title`` keys, leaving properties (or $defs) that happen to be so named."""
+    if isinstance(node, list):
+        return [_strip_titles(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+            value, dict
+        ):
+            out[key] = {name: _strip_titles(sub) for name, sub in value.items()}
+        else:
+            out[key] = _strip_titles(value)
+    return out
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _build_input_model(fn: Callable[..., Any], name: str) -> type[pydantic.BaseModel]:
+    label = _qualname(fn)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ToolDefinitionError(f"tool {label}: cannot read its signature: {exc}") from exc
+    try:
+        hints = get_type_hints(fn, include_extras=True)
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {label}: cannot resolve its type hints: {type(exc).__name__}: {exc}"
+        ) from exc
+    params = list(sig.parameters.values())
+    if not params or hints.get(params[0].name) is not ToolContext:
+        raise ToolDefinitionError(
+            f"tool {label}: the first parameter must be annotated ToolContext "
+            f"(def {getattr(fn, '__name__', name)}(ctx: ToolContext, ...))"
+        )
+    fields: dict[str, Any] = {}
+    for p in params[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ToolDefinitionError(
+                f"tool {label}: *args/**kwargs ({p.name}) cannot be described to the model"
+            )
+        if p.name.startswith("_"):
+            raise ToolDefinitionError(
+                f"tool {label}: parameter {p.name} starts with an underscore; rename it"
+            )
+        annotation = hints.get(p.name, Any)
+        default = ... if p.default is p.empty else p.default
+        fields[p.name] = (annotation, default)
+    config = pydantic.ConfigDict(extra="forbid", protected_namespaces=())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*shadows an attribute", category=UserWarning
+            )
+            model: type[pydantic.BaseModel] = pydantic.create_model(
+                f"{name}_input", __config__=config, **fields
+            )
+            model.model_json_schema()
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {label}: cannot build an input schema: {type(exc).__name__}: "
+            + " ".join(str(exc).split())
+        ) from exc
+    return model
+
+
+def _error_summary(tool_name: str, err: pydantic.ValidationError) -> str:
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(x) for x in e["loc"]) or "input"
+        parts.append(f"{loc}: {e['msg']}")
+    return f"invalid input for tool {tool_name}: " + "; ".join(parts)
+
+
+def _render(value: Any) -> tuple[str, Any]:
+    """(content, JSON-able value) for a tool's return value."""
+    if isinstance(value, str):
+        return value, value
+    jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
+    content = json.dumps(jsonable, sort_keys=True, separators=(",", ":"), default=str)
+    return content, jsonable
+
+
+@dataclass(frozen=True, eq=False)
+class ToolSpec:
+    """A declared tool: everything the runtime needs to describe, call and recover it."""
+
+    name: str
+    kind: ToolKind
+    description: str
+    fn: Callable[..., Any]
+    input_model: type[pydantic.BaseModel]
+    retryable: tuple[type[BaseException], ...] = ()
+    compensate: str | None = None
+    on_error: OnError = "result"
+
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        *,
+        kind: ToolKind | KindName,
+        name: str | None = None,
+        description: str | None = None,
+        retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
+        compensate: str | None = None,
+        on_error: OnError = "result",
+    ) -> ToolSpec:
+        """Validate the declaration and build the spec (what ``@tool`` does, minus registering)."""
+        label = _qualname(fn)
+        if not callable(fn):
+            raise ToolDefinitionError(f"@tool must decorate a function, got {fn!r}")
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            raise ToolDefinitionError(f"tool {label}: generators cannot be tools; return a value")
+        try:
+            tool_kind = ToolKind(kind)
+        except ValueError:
+            raise ToolDefinitionError(
+                f"tool {label}: kind={kind!r} is not one of: {_KIND_VALUES}"
+            ) from None
+        tool_name = name if name is not None else getattr(fn, "__name__", "")
+        if not isinstance(tool_name, str) or not _TOOL_NAME_RE.match(tool_name):
+            raise ToolDefinitionError(
+                f"tool {label}: name {tool_name!r} must be 1-64 letters, digits, _ or -"
+            )
+        if isinstance(retryable, type):
+            retryable = (retryable,)
+        if not isinstance(retryable, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in retryable
+        ):
+            raise ToolDefinitionError(
+                f"tool {label}: retryable must be a tuple of exception types, got {retryable!r}"
+            )
+        if on_error not in ("result", "abort"):
+            raise ToolDefinitionError(
+                f"tool {label}: on_error={on_error!r} is not one of: result, abort"
+            )
+        if compensate is not None:
+            if not isinstance(compensate, str) or not _TOOL_NAME_RE.match(compensate):
+                raise ToolDefinitionError(
+                    f"tool {label}: compensate must be the name of another tool, got {compensate!r}"
+                )
+            if compensate == tool_name:
+                raise ToolDefinitionError(f"tool {label}: a tool cannot compensate itself")
+            if tool_kind is ToolKind.PURE:
+                raise ToolDefinitionError(
+                    f"tool {label}: a pure tool has no side effects to compensate"
+                )
+        desc = _describe(fn) if description is None else " ".join(description.split())
+        return cls(
+            name=tool_name,
+            kind=tool_kind,
+            description=desc,
+            fn=fn,
+            input_model=_build_input_model(fn, tool_name),
+            retryable=retryable,
+            compensate=compensate,
+            on_error=on_error,
+        )
+
+    @cached_property
+    def _definition(self) -> dict[str, Any]:
+        schema = _strip_titles(self.input_model.model_json_schema())
+        return {"name": self.name, "description": self.description, "input_schema": schema}
+
+    def definition(self) -> dict[str, Any]:
+        """The Anthropic tool definition ``{"name", "description", "input_schema"}``.
+
+        Deterministic: the same function always gives a byte-identical
+        ``json.dumps(..., sort_keys=True)``, so runs can pin definitions by hash.
+        """
+        return copy.deepcopy(self._definition)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    async def invoke(self, ctx: ToolContext, raw_input: Any) -> ToolOutcome:
+        """Validate the model's input, call the tool and convert its return value.
+
+        Bad input and :class:`ToolError` become an error outcome the model can react to; any
+        other exception propagates (see :meth:`classify` for what the runtime does with it).
+        """
+        if not isinstance(raw_input, dict):
+            return ToolOutcome(
+                f"invalid input for tool {self.name}: expected a JSON object, "
+                f"got {type(raw_input).__name__}",
+                is_error=True,
+            )
+        try:
+            validated = self.input_model.model_validate(raw_input)
+        except pydantic.ValidationError as err:
+            return ToolOutcome(_error_summary(self.name, err), is_error=True)
+        kwargs = dict(validated)  # keeps nested models as models (model_dump would not)
+        try:
+            if self.is_async:
+                result = await self.fn(ctx, **kwargs)
+            else:
+                result = await asyncio.to_thread(self.fn, ctx, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+        except ToolError as err:
+            return ToolOutcome(str(err) or f"tool {self.name} failed", is_error=True)
+        content, value = _render(result)
+        return ToolOutcome(content, is_error=False, value=value)
+
+    def classify(self, exc: BaseException) -> Disposition:
+        """What the runtime should do with an exception the tool raised.
+
+        ``retry`` (transient, tier 1 backoff) for a ``retryable`` type, except that an
+        irreversible tool is never retried; otherwise ``on_error``: ``result`` reports the error
+        to the model, ``abort`` fails the run. :class:`ToolError` is always ``result``.
+        """
+        if isinstance(exc, ToolError):
+            return "result"
+        if not isinstance(exc, Exception):  # cancellation, KeyboardInterrupt, SystemExit
+            return "abort"
+        if self.retryable and isinstance(exc, self.retryable):
+            if self.kind is ToolKind.IRREVERSIBLE:
+                return "abort" if self.on_error == "abort" else "result"
+            return "retry"
+        return self.on_error
+
+
+def tool_spec(fn: Callable[..., Any]) -> ToolSpec:
+    """The :class:`ToolSpec` that ``@tool`` attached to ``fn``."""
+    spec = getattr(fn, _SPEC_ATTR, None)
+    if not isinstance(spec, ToolSpec):
+        raise TypeError(f"{_qualname(fn)} is not decorated with @tool")
+    return spec
+
+
+# ------------------------------------------------------------------------------------- registry
+
+
+class ToolRegistry:
+    """Tools by name. ``@tool`` registers into :data:`default_registry` unless told otherwise."""
+
+    def __init__(self) -> None:
+        self._tools: dict[str, ToolSpec] = {}
+
+    def register(self, spec: ToolSpec) -> ToolSpec:
+        """Add ``spec``. Re-registering the same function (a module imported again) replaces it;
+        a different function under an existing name is an error."""
+        old = self._tools.get(spec.name)
+        if old is not None and old.fn is not spec.fn and _qualname(old.fn) != _qualname(spec.fn):
+            raise ToolDefinitionError(
+                f"duplicate tool name {spec.name!r}: defined by {_qualname(old.fn)} "
+                f"and by {_qualname(spec.fn)}"
+            )
+        self._tools[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> ToolSpec:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise UnknownToolError(name, list(self._tools)) from None
+
+    def names(self) -> list[str]:
+        """Registered names, in registration order."""
+        return list(self._tools)
+
+    def check(self, names: Sequence[str]) -> list[str]:
+        """The names that are not registered, in the given order."""
+        return [n for n in names if n not in self._tools]
+
+    def definitions(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        """Tool definitions for ``names``, in the given order."""
+        missing = self.check(names)
+        if missing:
+            raise UnknownToolError(missing, list(self._tools))
+        return [self._tools[n].definition() for n in names]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __iter__(self) -> Iterator[ToolSpec]:
+        return iter(list(self._tools.values()))
+
+
+default_registry = ToolRegistry()
+
+
+# ------------------------------------------------------------------------------------ decorator
+
+
+@overload
+def tool(
+    fn: F,
+    *,
+    kind: ToolKind | KindName,
+    name: str | None = None,
+    description: str | None = None,
+    retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
+    compensate: str | None = None,
+    on_error: OnError = "result",
+    registry: ToolRegistry | None = None,
+) -> F: ...
+
+
+@overload
+def tool(
+    fn: None = None,
+    *,
+    kind: ToolKind | KindName,
+    name: str | None = None,
+    description: str | None = None,
+    retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
+    compensate: str | None = None,
+    on_error: OnError = "result",
+    registry: ToolRegistry | None = None,
+) -> Callable[[F], F]: ...
+
+
+def tool(
+    fn: F | None = None,
+    *,
+    kind: ToolKind | KindName,
+    name: str | None = None,
+    description: str | None = None,
+    retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
+    compensate: str | None = None,
+    on_error: OnError = "result",
+    registry: ToolRegistry | None = None,
+) -> F | Callable[[F], F]:
+    """Declare a tool: ``@tool(kind="idempotent")``.
+
+    The function is returned unchanged (still callable directly, e.g. in unit tests); its
+    :class:`ToolSpec` is registered in ``registry`` (default: :data:`default_registry`) and
+    reachable with :func:`tool_spec`.
+    """
+
+    def decorate(f: F) -> F:
+        spec = ToolSpec.from_function(
+            f,
+            kind=kind,
+            name=name,
+            description=description,
+            retryable=retryable,
+            compensate=compensate,
+            on_error=on_error,
+        )
+        (registry if registry is not None else default_registry).register(spec)
+        setattr(f, _SPEC_ATTR, spec)
+        return f
+
+    return decorate if fn is None else decorate(fn)
+
+
+# -------------------------------------------------------------------------------------- loading
+
+
+def _file_module_name(path: Path) -> str:
+    stem = re.sub(r"\W", "_", path.stem) or "tools"
+    digest = hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:10]
+    return f"agentrun_tools_{stem}_{digest}"
+
+
+def _is_path(spec: str) -> bool:
+    return spec.endswith(".py") or "/" in spec or "\\" in spec
+
+
+def _import_one(spec: str) -> str:
+    """Import one ``--tools`` entry; return its module name."""
+    if not _is_path(spec):
+        importlib.import_module(spec)
+        return spec
+    path = Path(spec).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    mod_name = _file_module_name(path)
+    if mod_name in sys.modules:
+        return mod_name
+    mspec = importlib.util.spec_from_file_location(mod_name, path)
+    if mspec is None or mspec.loader is None:
+        raise ImportError(f"cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module
+    try:
+        mspec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    return mod_name
+
+
+def load_tool_modules(specs: Sequence[str]) -> list[str]:
+    """Import tool modules (dotted names or ``.py`` paths) so their ``@tool`` decorators register.
+
+    Returns the names of the tools those modules registered in :data:`default_registry` (also
+    when a module had been imported before), in registration order.
+    """
+    registry = default_registry
+    before = set(registry.names())
+    modules: set[str] = set()
+    for spec in specs:
+        try:
+            modules.add(_import_one(spec))
+        except Exception as exc:
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+            raise ToolLoadError(f"cannot load tool module {spec}: {detail}") from exc
+    return [
+        s.name
+        for s in registry
+        if s.name not in before or getattr(s.fn, "__module__", None) in modules
+    ]

@@ -1,0 +1,250 @@
+"""Advance one claimed run, one committed step at a time.
+
+The conversation is a projection of the step log: ``[task] + [step payloads]``. It is rebuilt from
+the log on every claim, and each new step is appended to it in its *stored* form (the dict that
+was written), never as live SDK objects: what a resumed run sends is what the first worker sent,
+so signed thinking blocks replay without a signature error.
+
+Order of a step (invariant 1): call the model -> commit the turn -> run its tools -> commit their
+results as one step -> next model call. A resume finds the log in one of three states and carries
+on from there: empty or ending in tool results (call the model), ending in a tool_use turn (run its
+tools), ending in a final turn (finish the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+
+from agentrun.faults import crash_point
+from agentrun.store import Lease, PromptVersion, Run, Step, Store
+from agentrun.tools import ToolError, ToolRegistry, UnknownToolError, make_context
+from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.model_call import RetryPolicy, build_request, call_model
+
+log = logging.getLogger("agentrun.worker.run")
+
+
+class RunFailed(Exception):
+    """The run cannot go on (a limit, an unknown tool, a tool that aborts): it fails."""
+
+
+@dataclass
+class RunHandle:
+    """What the worker tracks about a run it holds."""
+
+    run: Run
+    lease: Lease
+    task: asyncio.Task[None] | None = None
+    abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain"
+    in_model_call: bool = False
+    last_renewed: float = field(default_factory=time.monotonic)
+
+    @property
+    def run_id(self) -> str:
+        return str(self.run.id)
+
+    def abort(self, reason: str) -> None:
+        """Stop the run's task now, interrupting an in-flight model call or backoff."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+def rebuild_messages(task: str, steps: list[Step]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    for step in steps:
+        role = "assistant" if step.kind == "model_turn" else "user"
+        messages.append({"role": role, "content": step.payload["content"]})
+    return messages
+
+
+def final_text(payload: dict[str, Any]) -> str:
+    return "".join(b.get("text", "") for b in payload.get("content", []) if b.get("type") == "text")
+
+
+def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
+    """Resolve the run's pinned agent spec against this worker's tools (first claim only)."""
+    spec = run.agent_spec
+    names: list[str] = list(spec.get("tools", []))
+    missing = registry.check(names)
+    if missing:
+        known = ", ".join(registry.names()) or "none"
+        raise RunFailed(
+            f"unknown tool(s) {', '.join(missing)}: not in this worker's registry "
+            f"(loaded: {known}); start the worker with --tools MODULE that defines them"
+        )
+    params: dict[str, Any] = {"max_tokens": int(spec.get("maxTokens", 8192))}
+    if spec.get("thinking"):
+        params["thinking"] = {"budget_tokens": int(spec["thinking"]["budgetTokens"])}
+    return PromptVersion(
+        model=run.model,
+        system=str(spec.get("system", "")),
+        tools=registry.definitions(names),
+        params=params,
+    )
+
+
+@dataclass
+class RunExecutor:
+    store: Store
+    client: anthropic.AsyncAnthropic
+    registry: ToolRegistry
+    metrics: WorkerMetrics
+    health: Health
+    retry: RetryPolicy
+    is_draining: Callable[[], bool]
+    _prompts: dict[str, PromptVersion] = field(default_factory=dict)
+
+    async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
+        pv_id = h.run.prompt_version
+        if pv_id is None:
+            pv = prompt_for(h.run, self.registry)
+            pv_id = await self.store.pin_prompt_version(h.lease, pv)
+            self._committed(h)
+            if pv_id == pv.id:
+                self._prompts[pv_id] = pv
+        if pv_id not in self._prompts:
+            self._prompts[pv_id] = await self.store.get_prompt_version(pv_id)
+        return self._prompts[pv_id]
+
+    def _committed(self, h: RunHandle) -> None:
+        h.last_renewed = time.monotonic()  # every fenced write renews the lease
+        self.health.progress()
+
+    async def _append(
+        self,
+        h: RunHandle,
+        seq: int,
+        kind: Any,
+        payload: Any,
+        request_id: str | None = None,
+        started: float | None = None,
+    ) -> None:
+        await self.store.append_step(h.lease, seq, kind, payload, request_id=request_id)
+        self._committed(h)
+        self.metrics.steps.labels(kind).inc()
+        if started is not None:
+            self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
+
+    async def advance(self, h: RunHandle) -> str | None:
+        """Run until the run ends (returns None) or the worker drains (returns "drain")."""
+        run = h.run
+        pv = await self.pinned_prompt(h)
+        steps = await self.store.steps(run.id)
+        if [s.seq for s in steps] != list(range(len(steps))):
+            raise RunFailed(f"step log is not contiguous: {[s.seq for s in steps]}")
+        messages = rebuild_messages(run.task, steps)
+        seq = len(steps)
+        turns = sum(1 for s in steps if s.kind == "model_turn")
+        last: tuple[str, dict[str, Any]] | None = (
+            (steps[-1].kind, steps[-1].payload) if steps else None
+        )
+        log.info(
+            "claimed: attempt %d, epoch %d, resuming at seq %d", run.attempt, h.lease.epoch, seq
+        )
+        while True:
+            if self.is_draining():
+                return "drain"  # at a commit boundary: nothing in flight is lost
+            if last is not None and last[0] == "model_turn":
+                stop = last[1].get("stop_reason")
+                if stop == "tool_use":
+                    started = time.perf_counter()
+                    content = await self.run_tools(h, seq - 1, last[1])
+                    crash_point("after_tool_return", seq)
+                    payload = {"content": content}
+                    await self._append(h, seq, "tool_result", payload, started=started)
+                    crash_point("after_tool_result_commit", seq)
+                    messages.append({"role": "user", "content": content})
+                    last, seq = ("tool_result", payload), seq + 1
+                    continue
+                if stop in ("end_turn", "stop_sequence"):
+                    await self.store.finish(h.lease, "succeeded", result=final_text(last[1]))
+                    self.metrics.runs_finished.labels("succeeded").inc()
+                    log.info("succeeded after %d steps", seq)
+                    return None
+                if stop == "max_tokens":
+                    raise RunFailed(
+                        f"model stopped at max_tokens ({pv.params.get('max_tokens')}) at seq "
+                        f"{seq - 1}; raise spec.maxTokens"
+                    )
+                if stop != "pause_turn":
+                    raise RunFailed(f"model stopped with stop_reason {stop!r} at seq {seq - 1}")
+            if turns >= run.max_steps:
+                raise RunFailed(f"maxSteps {run.max_steps} reached without a final answer")
+            started = time.perf_counter()
+            turn_seq = seq
+            h.in_model_call = True
+            try:
+                turn = await call_model(
+                    self.client,
+                    build_request(pv, messages),
+                    policy=self.retry,
+                    on_first_event=lambda: crash_point("mid_model_stream", turn_seq),
+                    on_retry=self._count_retry,
+                )
+            finally:
+                h.in_model_call = False
+            self.metrics.model_seconds.observe(time.perf_counter() - started)
+            self.metrics.tokens.labels("input").inc(turn.input_tokens)
+            self.metrics.tokens.labels("output").inc(turn.output_tokens)
+            await self._append(h, seq, "model_turn", turn.payload, turn.request_id, started)
+            crash_point("after_model_turn_commit", seq)
+            log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
+            messages.append({"role": "assistant", "content": turn.payload["content"]})
+            last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
+
+    def _count_retry(self, reason: str) -> None:
+        self.metrics.model_retries.labels(reason).inc()
+
+    async def run_tools(
+        self, h: RunHandle, turn_seq: int, payload: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Run the turn's tool calls in order; one tool_result block each."""
+        calls = [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
+        return [await self.call_tool(h, turn_seq, i, b) for i, b in enumerate(calls)]
+
+    async def call_tool(
+        self, h: RunHandle, turn_seq: int, index: int, block: dict[str, Any]
+    ) -> dict[str, Any]:
+        name, args = block["name"], block.get("input") or {}
+        result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
+        try:
+            spec = self.registry.get(name)
+        except UnknownToolError as exc:
+            return {**result, "content": str(exc), "is_error": True}
+        attempt = 1
+        while True:
+            ctx = make_context(h.run_id, turn_seq, index, name, args, attempt)
+            try:
+                outcome = await spec.invoke(ctx, args)
+            except ToolError as exc:
+                return {**result, "content": str(exc), "is_error": True}
+            except Exception as exc:
+                disposition = spec.classify(exc)
+                if disposition == "retry" and attempt <= self.retry.max_retries:
+                    delay = self.retry.delay(attempt - 1, None)
+                    log.warning(
+                        "tool %s raised %s; retry %d in %.2fs",
+                        name,
+                        type(exc).__name__,
+                        attempt,
+                        delay,
+                    )
+                    attempt += 1
+                    await asyncio.sleep(delay)
+                    continue
+                if disposition == "abort":
+                    raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
+                log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
+                return {**result, "content": f"{type(exc).__name__}: {exc}", "is_error": True}
+            if outcome.is_error:
+                return {**result, "content": outcome.content, "is_error": True}
+            return {**result, "content": outcome.content}

@@ -1,0 +1,112 @@
+"""Health and metrics endpoints: /healthz, /readyz, /metrics.
+
+Liveness is progress, not process existence (invariant 8). The loop stamps :meth:`Health.progress`
+on every claim poll, lease renewal and step commit; /healthz fails once no stamp is newer than the
+threshold, so a worker wedged by a database outage (the seed's nine-hour incident: the process kept
+breathing while nothing moved) is restarted by Kubernetes. It turns healthy again by itself when
+PostgreSQL comes back and the next poll succeeds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics, in a registry of their own (one per worker)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.steps = Counter("agentrun_steps", "Steps committed", ["kind"], registry=r)
+        self.step_seconds = Histogram(
+            "agentrun_step_seconds",
+            "Time from the start of a step to its commit",
+            ["kind"],
+            registry=r,
+        )
+        self.model_seconds = Histogram(
+            "agentrun_model_call_seconds",
+            "Model call latency (streamed turn)",
+            registry=r,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.tokens = Counter("agentrun_tokens", "Model tokens", ["type"], registry=r)
+        self.claims = Counter("agentrun_claims", "Runs claimed", registry=r)
+        self.dead_letters = Counter("agentrun_dead_letters", "Runs dead-lettered", registry=r)
+        self.lease_losses = Counter(
+            "agentrun_lease_losses", "Runs dropped because the lease was lost", registry=r
+        )
+        self.model_retries = Counter(
+            "agentrun_model_retries", "Model calls retried", ["reason"], registry=r
+        )
+        self.runs_finished = Counter(
+            "agentrun_runs_finished", "Runs this worker finished", ["status"], registry=r
+        )
+        self.active_runs = Gauge("agentrun_active_runs", "Runs held now", registry=r)
+        self.last_progress = Gauge(
+            "agentrun_last_progress_timestamp_seconds",
+            "Unix time of the last claim poll, lease renewal or commit",
+            registry=r,
+        )
+
+
+@dataclass
+class Health:
+    liveness_threshold: float
+    metrics: WorkerMetrics
+    last_progress: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    draining: bool = False
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+        self.metrics.last_progress.set(time.time())
+
+    def stalled_for(self) -> float:
+        return time.monotonic() - self.last_progress
+
+    def alive(self) -> bool:
+        return self.stalled_for() < self.liveness_threshold
+
+
+def make_app(health: Health) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        stalled = health.stalled_for()
+        if health.alive():
+            return web.json_response({"status": "ok", "last_progress_s": round(stalled, 3)})
+        return web.json_response(
+            {
+                "status": "stalled",
+                "last_progress_s": round(stalled, 3),
+                "threshold_s": health.liveness_threshold,
+            },
+            status=503,
+        )
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok = health.ready and not health.draining and health.alive()
+        return web.json_response(
+            {"ready": ok, "draining": health.draining}, status=200 if ok else 503
+        )
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(health.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

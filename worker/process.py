@@ -1,0 +1,344 @@
+"""The worker process: claim runs, hold them, drain on SIGTERM.
+
+Beside the main claim loop run three kinds of side tasks (procrastinate's shape):
+
+* one listener on LISTEN/NOTIFY: a cancel of a held run aborts its task at once (an in-flight
+  model call included), a newly claimable run wakes the claim loop; it reconnects by itself;
+* one heartbeat per held run: renews the lease when no commit did for a third of the TTL, so a
+  long model call or tool never lets the lease lapse; a renewal that finds the lease gone aborts
+  the run;
+* the health server (/healthz, /readyz, /metrics).
+
+SIGTERM drains: claiming stops, in-flight model calls are aborted at once (a half-streamed turn
+has no side effects, and the next worker should not wait for it), tools run on to their commit,
+every lease is released so another worker resumes immediately rather than after the TTL, and the
+process exits 0. Whatever is still running after the grace period is aborted and released. A
+second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from uuid import UUID
+
+import anthropic
+import psycopg
+from aiohttp import web
+from psycopg_pool import PoolTimeout
+
+from agentrun.errors import LeaseLost, RunCancelled
+from agentrun.logs import current_run_id
+from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
+from agentrun.tools import ToolRegistry
+from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle
+from agentrun.worker.health import Health, WorkerMetrics, make_app
+from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
+
+log = logging.getLogger("agentrun.worker")
+
+DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclass
+class WorkerSettings:
+    pool: str = "default"
+    concurrency: int = 4
+    # 15 s: a SIGKILLed worker's runs resume 15 s later, while a GC pause, a slow commit or a
+    # database fail-over shorter than that costs nothing. Renewals (every 5 s, only when no commit
+    # renewed) cost 0.2 queries/s per held run. The seed's 60 s makes every crash cost a minute.
+    lease_ttl: float = 15.0
+    poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
+    drain_grace: float = 25.0  # under Kubernetes' default terminationGracePeriodSeconds of 30
+    liveness_threshold: float = 60.0
+    health_host: str = "0.0.0.0"
+    health_port: int | None = 8080  # None: no health server; 0: any free port
+    worker_id: str = field(default_factory=default_worker_id)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+class Worker:
+    def __init__(
+        self,
+        store: Store,
+        client: anthropic.AsyncAnthropic,
+        registry: ToolRegistry,
+        settings: WorkerSettings,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = WorkerMetrics()
+        self.health = Health(settings.liveness_threshold, self.metrics)
+        self.executor = RunExecutor(
+            store,
+            client,
+            registry,
+            self.metrics,
+            self.health,
+            settings.retry,
+            is_draining=lambda: self.draining,
+        )
+        self.active: dict[UUID, RunHandle] = {}
+        self.draining = False
+        self._wake = asyncio.Event()
+        self._signals = 0
+        self.health_port: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        s = self.settings
+        log.info(
+            "worker %s: pool %s, concurrency %d, lease TTL %.0fs",
+            s.worker_id,
+            s.pool,
+            s.concurrency,
+            s.lease_ttl,
+        )
+        runner = await self._start_health()
+        listener = asyncio.create_task(self._listen(), name="listener")
+        try:
+            self.health.ready = True
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            if runner is not None:
+                await runner.cleanup()
+        log.info("worker %s stopped", s.worker_id)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting at once", sig.name)
+            os._exit(1)
+        log.info("%s: draining %d run(s)", sig.name, len(self.active))
+        self.request_drain()
+
+    def request_drain(self) -> None:
+        self.draining = True
+        self.health.draining = True
+        self._wake.set()
+        for h in self.active.values():
+            if h.in_model_call:
+                h.abort("drain")
+
+    async def _drain(self) -> None:
+        tasks = [h.task for h in self.active.values() if h.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_grace)
+            if pending:
+                log.warning("drain grace over: aborting %d run(s)", len(pending))
+                for h in list(self.active.values()):
+                    h.abort("drain")
+                await asyncio.wait(pending, timeout=5)
+
+    async def _start_health(self) -> web.AppRunner | None:
+        if self.settings.health_port is None:
+            return None
+        runner = web.AppRunner(make_app(self.health), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.settings.health_host, self.settings.health_port)
+        await site.start()
+        server = site._server
+        if server is not None and getattr(server, "sockets", None):
+            self.health_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        log.info("health and metrics on :%s", self.health_port)
+        return runner
+
+    # -- claiming ------------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        s = self.settings
+        failures = 0
+        while not self.draining:
+            wait = s.poll_interval
+            free = s.concurrency - len(self.active)
+            if free > 0:
+                try:
+                    result = await self.store.claim(s.pool, s.worker_id, free, ttl=s.lease_ttl)
+                    if not result.claimed:
+                        expiry = await self.store.next_lease_expiry(s.pool)
+                        if expiry is not None:
+                            wait = min(wait, max(expiry + 0.02, 0.02))
+                    failures = 0
+                    self.health.progress()
+                except DB_ERRORS as exc:
+                    failures += 1
+                    wait = min(s.poll_interval, 0.5 * 2 ** min(failures, 4))
+                    log.warning(
+                        "claim failed (%s); database unreachable? retry in %.1fs",
+                        " ".join(str(exc).split())[:200],
+                        wait,
+                    )
+                else:
+                    self.metrics.dead_letters.inc(len(result.dead_lettered))
+                    for run, lease in result.claimed:
+                        self._start_run(RunHandle(run, lease))
+                    if result.claimed and len(result.claimed) < free:
+                        continue  # there may be more right away
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+
+    def _start_run(self, h: RunHandle) -> None:
+        self.metrics.claims.inc()
+        self.active[h.run.id] = h
+        self.metrics.active_runs.set(len(self.active))
+        h.task = asyncio.create_task(self._hold(h), name=f"run-{h.run.id}")
+
+    async def _hold(self, h: RunHandle) -> None:
+        """Own one run from claim to release: its executor, its heartbeat, its outcome."""
+        current_run_id.set(h.run_id)
+        heartbeat = asyncio.create_task(self._heartbeat(h), name=f"heartbeat-{h.run.id}")
+        try:
+            outcome = await self.executor.advance(h)
+            if outcome == "drain":
+                await self._release(h)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            if h.abort_reason is None:
+                raise
+            await self._aborted(h)
+        except RunCancelled:
+            log.info("run cancelled; stopped")
+        except LeaseLost as exc:
+            self.metrics.lease_losses.inc()
+            log.warning("%s; dropping the run", exc)
+        except RunFailed as exc:
+            await self._fail(h, str(exc))
+        except PermanentModelError as exc:
+            await self._fail(h, f"model call failed: {exc}")
+        except TransientExhausted as exc:
+            log.warning("%s; giving the claim up", exc)
+            await self._quietly(self.store.abandon(h.lease, str(exc)))
+        except DB_ERRORS as exc:
+            # The lease runs out by itself and another worker (or this one) resumes the run.
+            log.warning(
+                "database error: %s; the run will be resumed after its lease",
+                " ".join(str(exc).split())[:200],
+            )
+        except Exception as exc:
+            log.exception("unexpected error; giving the claim up")
+            await self._quietly(self.store.abandon(h.lease, f"{type(exc).__name__}: {exc}"))
+        finally:
+            heartbeat.cancel()
+            self.active.pop(h.run.id, None)
+            self.metrics.active_runs.set(len(self.active))
+            self._wake.set()
+
+    async def _aborted(self, h: RunHandle) -> None:
+        if h.abort_reason == "drain":
+            await self._release(h)
+        elif h.abort_reason == "cancelled":
+            log.info("run cancelled; in-flight work aborted")
+        else:
+            self.metrics.lease_losses.inc()
+            log.warning("lease lost; in-flight work aborted")
+
+    async def _release(self, h: RunHandle) -> None:
+        if await self._quietly(self.store.release(h.lease)):
+            log.info("released for another worker")
+
+    async def _fail(self, h: RunHandle, error: str) -> None:
+        log.error("run failed: %s", error)
+        try:
+            await self.store.finish(h.lease, "failed", error=error)
+            self.metrics.runs_finished.labels("failed").inc()
+        except LeaseLost as exc:
+            log.warning("%s; not marking it failed", exc)
+
+    async def _quietly(self, coro: object) -> bool:
+        try:
+            return bool(await coro)  # type: ignore[misc]
+        except (LeaseLost, *DB_ERRORS) as exc:
+            log.warning("could not update the run: %s", exc)
+            return False
+
+    # -- side tasks ----------------------------------------------------------------------------
+
+    async def _heartbeat(self, h: RunHandle) -> None:
+        current_run_id.set(h.run_id)
+        interval = self.settings.lease_ttl / 3
+        while True:
+            await asyncio.sleep(max(0.05, h.last_renewed + interval - time.monotonic()))
+            if time.monotonic() - h.last_renewed < interval:
+                continue
+            try:
+                await self.store.renew(h.lease, ttl=self.settings.lease_ttl)
+            except RunCancelled:
+                h.abort("cancelled")
+                return
+            except LeaseLost:
+                h.abort("lease lost")
+                return
+            except DB_ERRORS as exc:
+                log.warning("lease renewal failed: %s", " ".join(str(exc).split())[:200])
+                await asyncio.sleep(1)
+                continue
+            h.last_renewed = time.monotonic()
+            self.health.progress()
+
+    async def _listen(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                listening = self.store.listen([CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY])
+                reconnected = True
+                async for n in listening:
+                    if reconnected:
+                        reconnected, backoff = False, 0.5
+                    if n.channel == CHANNEL_RUN_READY:
+                        if n.payload == self.settings.pool:
+                            self._wake.set()
+                        continue
+                    self._on_run_changed(n.json())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "listener lost its connection (%s); reconnecting in %.1fs",
+                    " ".join(str(exc).split())[:120],
+                    backoff,
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10)
+            await self._recheck_held_runs()
+            self._wake.set()  # notifications may have been missed
+
+    def _on_run_changed(self, event: dict[str, object]) -> None:
+        rid = UUID(str(event["id"]))
+        h = self.active.get(rid)
+        if h is None:
+            return
+        if event["status"] == "cancelled":
+            h.abort("cancelled")
+        elif event["epoch"] != h.lease.epoch:
+            h.abort("lease lost")
+
+    async def _recheck_held_runs(self) -> None:
+        if not self.active:
+            return
+        with contextlib.suppress(*DB_ERRORS):
+            for rid, (status, epoch) in (await self.store.run_statuses(list(self.active))).items():
+                self._on_run_changed({"id": rid, "status": status, "epoch": epoch})
