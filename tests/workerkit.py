@@ -31,6 +31,7 @@ def echo_scenario(
     faults: dict[int, list[dict[str, Any]]] | None = None,
     models: list[str] | None = None,
     long_text: dict[int, int] | None = None,
+    delay_ms: int = 0,
 ) -> dict[str, Any]:
     """``turns`` model turns: each but the last thinks, says something and calls echo; the last
     answers. ``slow`` maps turn -> stream_delay_ms; ``long_text`` turn -> extra text blocks."""
@@ -56,6 +57,8 @@ def echo_scenario(
     scenario: dict[str, Any] = {"name": name, "scripts": [{"name": name, "turns": script}]}
     if models:
         scenario["models"] = models
+    if delay_ms:
+        scenario["delay_ms"] = delay_ms
     return scenario
 
 

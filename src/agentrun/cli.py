@@ -14,10 +14,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import psycopg
+
+if TYPE_CHECKING:
+    import anthropic
 
 from agentrun import __version__
 from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
@@ -159,6 +161,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def make_client() -> anthropic.AsyncAnthropic:
+    import anthropic  # 2.7 s to import: only the worker pays it, not runs/steps/cancel
+
     key = os.environ.get("ANTHROPIC_API_KEY")
     if not key:
         raise ConfigError(

