@@ -15,12 +15,15 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from workerkit import FakeFactory, Workers, write_scenario
 
+from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.migrations import migrate
 from agentrun.store import Store
 
@@ -140,3 +143,31 @@ def run_cli(
         timeout=timeout,
         cwd=tempfile.gettempdir(),
     )
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[FakeFactory]:
+    servers: list[FakeAnthropicServer] = []
+
+    def start(scenario: dict[str, Any]) -> FakeAnthropicServer:
+        srv = FakeAnthropicServer(write_scenario(tmp_path, scenario))
+        srv.__enter__()
+        servers.append(srv)
+        return srv
+
+    try:
+        yield start
+    finally:
+        for srv in servers:
+            srv.__exit__(None, None, None)
+
+
+@pytest.fixture
+def workers(tmp_path: Path, database_url: str) -> Iterator[Workers]:
+    w = Workers(
+        env={"AGENTRUN_DATABASE_URL": database_url, "ANTHROPIC_API_KEY": "test"}, tmp=tmp_path
+    )
+    try:
+        yield w
+    finally:
+        w.stop_all()

@@ -11,53 +11,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
-import pytest
-from workerkit import Workers, echo_scenario, wait_for, wait_run, write_scenario
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.fake_anthropic import FakeAnthropicServer
-from agentrun.manifests import AgentSpec, ThinkingSpec
 from agentrun.store import Store
-
-AGENT = AgentSpec(
-    model="claude-sonnet-4-5",
-    system="You echo carefully.",
-    tools=["echo"],
-    thinking=ThinkingSpec(budgetTokens=1024),
-)
-
-FakeFactory = Callable[[dict[str, Any]], FakeAnthropicServer]
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> Iterator[FakeFactory]:
-    servers: list[FakeAnthropicServer] = []
-
-    def start(scenario: dict[str, Any]) -> FakeAnthropicServer:
-        srv = FakeAnthropicServer(write_scenario(tmp_path, scenario))
-        srv.__enter__()
-        servers.append(srv)
-        return srv
-
-    try:
-        yield start
-    finally:
-        for srv in servers:
-            srv.__exit__(None, None, None)
-
-
-@pytest.fixture
-def workers(tmp_path: Path, database_url: str) -> Iterator[Workers]:
-    w = Workers(
-        env={"AGENTRUN_DATABASE_URL": database_url, "ANTHROPIC_API_KEY": "test"}, tmp=tmp_path
-    )
-    try:
-        yield w
-    finally:
-        w.stop_all()
 
 
 def use(workers: Workers, srv: FakeAnthropicServer) -> None:

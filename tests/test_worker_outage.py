@@ -18,8 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
-from test_worker import AGENT, FakeFactory, fake  # noqa: F401 - the fixture is used by name
-from workerkit import Workers, echo_scenario, wait_for, wait_run
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.migrations import migrate
 from agentrun.store import Store
@@ -64,7 +63,7 @@ def get(port: int, path: str) -> tuple[int, str]:
 async def test_postgres_restart_mid_run_healthz_fails_then_recovers(
     own_postgres: Any,
     tmp_path: Path,
-    fake: FakeFactory,  # noqa: F811
+    fake: FakeFactory,
 ) -> None:
     url = own_postgres.get_uri()
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:

@@ -18,9 +18,20 @@ from typing import Any
 
 import yaml
 
+from agentrun.fake_anthropic import FakeAnthropicServer
+from agentrun.manifests import AgentSpec, ThinkingSpec
 from agentrun.store import Run, Store
 
 TOOLS_DIR = Path(__file__).parent / "tool_modules"
+
+AGENT = AgentSpec(
+    model="claude-sonnet-4-5",
+    system="You echo carefully.",
+    tools=["echo"],
+    thinking=ThinkingSpec(budgetTokens=1024),
+)
+
+FakeFactory = Callable[[dict[str, Any]], FakeAnthropicServer]
 
 
 def echo_scenario(
