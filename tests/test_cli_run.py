@@ -97,3 +97,12 @@ def test_demo_survives_a_sigkill_and_writes_production_exactly_once(database_url
         line for line in out.splitlines() if line.strip().startswith("seq ") and "rows" in line
     ]
     assert len(ledger) == 2
+
+
+def test_the_shipped_example_manifest_is_valid() -> None:
+    from agentrun.manifests import load_manifests
+
+    example = Path(__file__).parent.parent / "examples" / "migrate-orders.yaml"
+    (run,) = load_manifests([str(example)])
+    assert run.name == "migrate-orders" and run.agent.model == "claude-sonnet-4-5"
+    assert run.agent.tools == ["read_schema", "count_rows", "write_production", "check_migration"]

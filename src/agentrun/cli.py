@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -178,6 +181,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.process import Worker, WorkerSettings, default_worker_id
 
     setup_logging(args.log_format, args.log_level)
+    # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     loaded = load_tool_modules(args.tools)
     client = make_client()
     url = database_url()
@@ -202,8 +207,9 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         worker.install_signal_handlers()
         await worker.serve()
     finally:
-        await store.close()
-        await client.close()
+        await store.pool.close(timeout=5)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(client.close(), 5)
     return 0
 
 
