@@ -57,10 +57,11 @@ def echo(ctx: ToolContext, text: str) -> str:
     return text
 
 
-def scenario(turns: int, delay_ms: int = 0) -> dict[str, Any]:
+def scenario(turns: int, delay_ms: int = 0, thinking: bool = True) -> dict[str, Any]:
     script = []
     for i in range(turns):
-        content: list[dict[str, Any]] = [{"thinking": f"turn {i}"}, {"text": f"step {i}"}]
+        content: list[dict[str, Any]] = [{"thinking": f"turn {i}"}] if thinking else []
+        content.append({"text": f"step {i}"})
         if i < turns - 1:
             content.append({"tool_use": {"name": "echo", "input": {"text": f"t{i}"}}})
         script.append({"content": content})
@@ -289,7 +290,9 @@ def main() -> int:
     url = make_conninfo(**{**conninfo_to_dict(admin), "dbname": name})  # type: ignore[arg-type]
     tmp = Path(tempfile.mkdtemp())
     fast_path, slow_path = tmp / "fast.yaml", tmp / "slow.yaml"
+    plain_path = tmp / "plain.yaml"
     fast_path.write_text(yaml.safe_dump(scenario(args.turns)))
+    plain_path.write_text(yaml.safe_dump(scenario(args.turns, thinking=False)))
     slow_path.write_text(yaml.safe_dump(scenario(200, delay_ms=300)))
     try:
 
@@ -300,6 +303,11 @@ def main() -> int:
             # process its thread would compete with the loop under test for the GIL.
             with fake_server(fast_path) as fast:
                 steps = await per_step(url, fast, args.turns, args.repeat)
+            # Without thinking blocks the scripted server checks no signatures, so it burns
+            # far less CPU beside PostgreSQL on a small machine: a cleaner view of our own cost.
+            with fake_server(plain_path) as plain:
+                plain_steps = await per_step(url, plain, args.turns, args.repeat)
+            steps.update({f"plain_{k}": v for k, v in plain_steps.items()})
             with fake_server(slow_path) as slow:
                 res = await resume(url, slow, args.lease_ttl)
             return steps, res
@@ -314,6 +322,11 @@ def main() -> int:
         print(
             f"  cost of durability            {steps['cost_ms_per_step']:7.2f} ms/step "
             f"(ratio {steps['ratio']:.2f}x; goal < 2 ms)"
+        )
+        print(
+            f"  without thinking blocks: in-memory {steps['plain_in_memory_ms_per_step']:.2f}, "
+            f"durable {steps['plain_durable_ms_per_step']:.2f}, cost "
+            f"{steps['plain_cost_ms_per_step']:.2f} ms/step (ratio {steps['plain_ratio']:.2f}x)"
         )
         print(
             f"  resume after SIGKILL          {res['sigkill_resume_s']:7.2f} s "

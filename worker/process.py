@@ -174,13 +174,17 @@ class Worker:
         s = self.settings
         failures = 0
         while not self.draining:
+            # Clear before claiming, never after: a wake-up (SIGTERM, a NOTIFY, a finished run)
+            # that lands while the claim query runs must not be erased. Clearing after the claim
+            # once left a draining worker asleep for a whole poll interval.
+            self._wake.clear()
             wait = s.poll_interval
             free = s.concurrency - len(self.active)
             if free > 0:
                 try:
                     result = await self.store.claim(s.pool, s.worker_id, free, ttl=s.lease_ttl)
                     if not result.claimed:
-                        expiry = await self.store.next_lease_expiry(s.pool)
+                        expiry = await self.store.next_lease_expiry(s.pool, s.worker_id)
                         if expiry is not None:
                             wait = min(wait, max(expiry + 0.02, 0.02))
                     failures = 0
@@ -199,7 +203,8 @@ class Worker:
                         self._start_run(RunHandle(run, lease))
                     if result.claimed and len(result.claimed) < free:
                         continue  # there may be more right away
-            self._wake.clear()
+            if self.draining:
+                break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
 

@@ -409,10 +409,10 @@ class Store:
             cur = await conn.execute(queries["abandon_run"], params)
             return await cur.fetchone() is not None
 
-    async def next_lease_expiry(self, pool: str) -> float | None:
-        """Seconds until the earliest live lease of ``pool`` expires (None: no running run)."""
+    async def next_lease_expiry(self, pool: str, worker: str) -> float | None:
+        """Seconds until the earliest lease of ``pool`` held by another worker expires."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["next_lease_expiry"], {"pool": pool})
+            cur = await conn.execute(queries["next_lease_expiry"], {"pool": pool, "worker": worker})
             row = await cur.fetchone()
         if row is None or row[0] is None:
             return None

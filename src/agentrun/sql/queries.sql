@@ -188,8 +188,10 @@ RETURNING id;
 -- next_lease_expiry --
 -- When a claim found nothing, the poller sleeps until the earliest lease of another worker runs
 -- out, so a dead worker's run is resumed within moments of its TTL instead of a poll interval.
+-- (Its own leases are left out: it renews them, and waking for them would be for nothing.)
 SELECT min(lease_until) - now() AS wait FROM agent_run
- WHERE pool = %(pool)s AND status = 'running' AND lease_until IS NOT NULL;
+ WHERE pool = %(pool)s AND status = 'running' AND lease_until IS NOT NULL
+   AND lease_owner IS DISTINCT FROM %(worker)s;
 
 -- run_statuses --
 SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
