@@ -59,6 +59,7 @@ def test_submit_resolves_the_agent_and_pins_it_on_the_run(
         "maxTokens": 4096,
         "thinking": {"budgetTokens": 2048},
         "pool": "migrations",
+        "requireApproval": False,
     }
     res = run_cli("steps", created["id"], env=env)
     assert res.returncode == 0 and "pending, 0 steps" in res.stdout

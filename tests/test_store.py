@@ -251,6 +251,7 @@ async def test_pinned_fields_and_prompt_versions_cannot_change(
         "pool": "default",
         "system": "You migrate databases carefully.",
         "tools": ["read_schema"],
+        "requireApproval": False,
     }
     assert await store.pin_prompt_version(lease, PROMPT) == PROMPT.id
     # A later worker with other tool definitions keeps the first pin.

@@ -23,8 +23,16 @@ from typing import Any
 import anthropic
 
 from agentrun.faults import crash_point
-from agentrun.store import Lease, PromptVersion, Run, Step, Store
-from agentrun.tools import ToolError, ToolRegistry, UnknownToolError, make_context
+from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
+from agentrun.tools import (
+    ToolError,
+    ToolKind,
+    ToolRegistry,
+    ToolSpec,
+    UnknownToolError,
+    idempotency_key,
+    make_context,
+)
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request, call_model
 
@@ -33,6 +41,15 @@ log = logging.getLogger("agentrun.worker.run")
 
 class RunFailed(Exception):
     """The run cannot go on (a limit, an unknown tool, a tool that aborts): it fails."""
+
+
+class WaitForApproval(Exception):
+    """The run must wait for a human decision on one call before it can go on."""
+
+    def __init__(self, reason: str, pending_call: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.pending_call = pending_call
 
 
 @dataclass
@@ -158,7 +175,6 @@ class RunExecutor:
                 if stop == "tool_use":
                     started = time.perf_counter()
                     content = await self.run_tools(h, seq - 1, last[1])
-                    crash_point("after_tool_return", seq)
                     payload = {"content": content}
                     await self._append(h, seq, "tool_result", payload, started=started)
                     crash_point("after_tool_result_commit", seq)
@@ -209,42 +225,115 @@ class RunExecutor:
     ) -> list[dict[str, Any]]:
         """Run the turn's tool calls in order; one tool_result block each."""
         calls = [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
-        return [await self.call_tool(h, turn_seq, i, b) for i, b in enumerate(calls)]
+        effects = await self.store.effects(h.run.id, turn_seq) if calls else {}
+        return [
+            await self.call_tool(h, turn_seq, i, b, effects.get(i)) for i, b in enumerate(calls)
+        ]
 
     async def call_tool(
-        self, h: RunHandle, turn_seq: int, index: int, block: dict[str, Any]
+        self,
+        h: RunHandle,
+        turn_seq: int,
+        index: int,
+        block: dict[str, Any],
+        effect: Effect | None = None,
     ) -> dict[str, Any]:
+        """One call, by its tool's class (see agentrun.tools): pure and idempotent calls simply
+        run (again); a non-idempotent call whose effect is recorded is not called again; an
+        irreversible call writes its intent first, and one whose intent has no outcome waits for
+        a human instead of guessing."""
         name, args = block["name"], block.get("input") or {}
         result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
         try:
             spec = self.registry.get(name)
         except UnknownToolError as exc:
             return {**result, "content": str(exc), "is_error": True}
+        recorded = spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
+        if recorded and effect is not None and effect.state == "done" and effect.result:
+            log.info("seq %d call %d: %s already happened; reusing its recorded result",
+                     turn_seq, index, name)
+            return {**result, **effect.result}
+        key = idempotency_key(h.run_id, turn_seq, name, args, index)
+
+        async def record(state: Any, outcome: dict[str, Any] | None = None) -> None:
+            await self.store.record_effect(
+                h.lease, turn_seq, index, key=key, tool=name, tool_kind=spec.kind.value,
+                state=state, result=outcome)
+            self._committed(h)
+
+        if spec.kind is ToolKind.IRREVERSIBLE:
+            decided = await self._gate_irreversible(h, turn_seq, index, name, args, effect)
+            if decided is not None:
+                await record("done", decided)
+                return {**result, **decided}
+            if effect is None:
+                await record("intent")
+                crash_point("after_intent_commit", turn_seq)
+        outcome = await self._invoke(h, spec, turn_seq, index, name, args)
+        crash_point("after_tool_return", turn_seq)
+        if recorded:
+            await record("done", outcome)
+        return {**result, **outcome}
+
+    async def _gate_irreversible(
+        self, h: RunHandle, seq: int, index: int, name: str, args: dict[str, Any],
+        effect: Effect | None,
+    ) -> dict[str, Any] | None:
+        """None: go ahead and call. A dict: the decided tool_result (a rejection)."""
+        def pending(stage: str) -> dict[str, Any]:
+            return {"seq": seq, "call_index": index, "tool": name, "input": args, "stage": stage}
+
+        if effect is not None:  # an intent without an outcome: the worker died mid-call
+            decision = await self.store.get_approval(h.run.id, seq, index, "outcome_unknown")
+            if decision is None:
+                raise WaitForApproval(
+                    f"outcome unknown: {name} (step {seq}) was called and its worker died before "
+                    "the outcome was recorded; check its target, then approve to run it again or "
+                    "reject to tell the model it was not retried",
+                    pending("outcome_unknown"),
+                )
+            if decision.decision == "rejected":
+                return {"content": f"{name} was not retried: its outcome is unknown, and "
+                        f"{decision.decided_by} rejected a retry"
+                        + (f" ({decision.reason})" if decision.reason else ""),
+                        "is_error": True}
+            return None
+        if h.run.agent_spec.get("requireApproval"):
+            decision = await self.store.get_approval(h.run.id, seq, index, "before_call")
+            if decision is None:
+                raise WaitForApproval(
+                    f"approval required before {name} (step {seq})", pending("before_call"))
+            if decision.decision == "rejected":
+                return {"content": f"{name} was rejected by {decision.decided_by}"
+                        + (f": {decision.reason}" if decision.reason else ""),
+                        "is_error": True}
+        return None
+
+    async def _invoke(
+        self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
+        args: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Call the tool; retry what it declares transient (never an irreversible call)."""
         attempt = 1
         while True:
             ctx = make_context(h.run_id, turn_seq, index, name, args, attempt)
             try:
                 outcome = await spec.invoke(ctx, args)
             except ToolError as exc:
-                return {**result, "content": str(exc), "is_error": True}
+                return {"content": str(exc), "is_error": True}
             except Exception as exc:
                 disposition = spec.classify(exc)
                 if disposition == "retry" and attempt <= self.retry.max_retries:
                     delay = self.retry.delay(attempt - 1, None)
-                    log.warning(
-                        "tool %s raised %s; retry %d in %.2fs",
-                        name,
-                        type(exc).__name__,
-                        attempt,
-                        delay,
-                    )
+                    log.warning("tool %s raised %s; retry %d in %.2fs",
+                                name, type(exc).__name__, attempt, delay)
                     attempt += 1
                     await asyncio.sleep(delay)
                     continue
                 if disposition == "abort":
                     raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
                 log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
-                return {**result, "content": f"{type(exc).__name__}: {exc}", "is_error": True}
+                return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
             if outcome.is_error:
-                return {**result, "content": outcome.content, "is_error": True}
-            return {**result, "content": outcome.content}
+                return {"content": outcome.content, "is_error": True}
+            return {"content": outcome.content}

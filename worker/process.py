@@ -38,7 +38,7 @@ from agentrun.errors import LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
 from agentrun.tools import ToolRegistry
-from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle
+from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
 
@@ -234,6 +234,10 @@ class Worker:
         except LeaseLost as exc:
             self.metrics.lease_losses.inc()
             log.warning("%s; dropping the run", exc)
+        except WaitForApproval as wait:
+            log.warning("waiting for a human: %s", wait.reason)
+            await self._quietly(self.store.wait_for_approval(h.lease, wait.reason,
+                                                             wait.pending_call))
         except RunFailed as exc:
             await self._fail(h, str(exc))
         except PermanentModelError as exc:

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
@@ -80,7 +80,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
             str(r.attempt),
             r.model,
             age(r.created_at),
-            short(r.error or r.result, 50),
+            short(r.wait_reason or r.error or r.result, 50),
         ]
         for r in runs
     ]
@@ -110,6 +110,21 @@ async def cmd_steps(args: argparse.Namespace) -> int:
     ]
     print(f"run {run.id}: {run.status}, {len(steps)} steps, attempt {run.attempt}")
     print(table(["SEQ", "KIND", "TIME", "WORKER", "EPOCH", "SUMMARY"], rows))
+    return 0
+
+
+async def cmd_decide(args: argparse.Namespace) -> int:
+    decision: Literal["approved", "rejected"] = (
+        "approved" if args.command == "approve" else "rejected"
+    )
+    by = args.by or os.environ.get("USER") or "cli"
+    async with await _open_store() as store:
+        call = await store.decide(args.run, args.seq, decision, decided_by=by, reason=args.reason)
+    stage = str(call["stage"]).replace("_", " ")
+    print(
+        f"run {args.run}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
+        "the run resumes on the next claim"
+    )
     return 0
 
 
@@ -306,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "fake-anthropic", help="the scripted Messages API server (see docs)", add_help=False
     )
+
+    for name in ("approve", "reject"):
+        s = sub.add_parser(name, help=f"{name} the tool call a waiting run is stopped on")
+        s.add_argument("run", help="run id")
+        s.add_argument("seq", type=int, help="the step of the call (agentrun runs shows it)")
+        s.add_argument("--reason")
+        s.add_argument("--by", help="who decides (default: $USER)")
+        s.set_defaults(func=cmd_decide)
 
     s = sub.add_parser("cancel", help="cancel a run (stops an in-flight model call)")
     s.add_argument("run", help="run id")

@@ -1,11 +1,13 @@
 """Named fault points for crash tests. Off unless AGENTRUN_TEST_FAULTS is set.
 
 ``AGENTRUN_TEST_FAULTS="after_model_turn_commit@3,mid_model_stream@7"`` makes the process SIGKILL
-itself at that point when the step's seq matches (``@*`` matches any seq). Points:
+itself at that point when the step's seq matches (``@*`` matches any seq; for the tool points the
+seq is that of the model turn that asked for the call). Points:
 
 * ``mid_model_stream``: the first event of a streamed model turn has arrived, nothing committed;
 * ``after_model_turn_commit``: a model turn is committed, its tools not yet run;
-* ``after_tool_return``: a tool returned, its result not committed;
+* ``after_intent_commit``: an irreversible call's intent is committed, the tool not yet called;
+* ``after_tool_return``: a tool returned, its result not yet recorded or committed;
 * ``after_tool_result_commit``: a tool_result step is committed.
 """
 

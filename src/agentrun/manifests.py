@@ -49,6 +49,12 @@ class AgentSpec(_Spec):
         max_length=63,
         description="Worker pool that runs this agent's runs.",
     )
+    require_approval: bool = Field(
+        False,
+        alias="requireApproval",
+        description="Every irreversible tool call waits for agentrun approve (or the "
+        "agentrun.dev/approve annotation) before it runs.",
+    )
 
     def pinned(self) -> dict[str, Any]:
         """The JSON stored on the run row (camelCase, as in the manifest)."""

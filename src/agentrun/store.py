@@ -111,6 +111,8 @@ class Run:
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    wait_reason: str | None = None
+    pending_call: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -136,6 +138,27 @@ class Step:
     lease_epoch: int
     worker: str
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class Effect:
+    """A recorded side effect of one non-idempotent or irreversible call."""
+
+    seq: int
+    call_index: int
+    idempotency_key: str
+    tool: str
+    tool_kind: str
+    state: str  # "intent" (called, outcome unknown) | "done"
+    result: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Approval:
+    decision: str  # "approved" | "rejected"
+    decided_by: str
+    reason: str | None
+    decided_at: datetime
 
 
 @dataclass(frozen=True)
@@ -447,6 +470,116 @@ class Store:
             await cur.execute(queries["cancel_run"], {"run_id": rid, "reason": reason})
             run = await cur.fetchone()
         return (run, True) if run is not None else (await self.get_run(rid), False)
+
+    # -- side effects and approvals ------------------------------------------------------------
+
+    async def effects(self, run_id: UUID, seq: int) -> dict[int, Effect]:
+        """The recorded effects of the calls of turn ``seq``, by call index."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Effect))
+            await cur.execute(queries["list_effects"], {"run_id": run_id, "seq": seq})
+            return {e.call_index: e for e in await cur.fetchall()}
+
+    async def record_effect(
+        self,
+        lease: Lease,
+        seq: int,
+        call_index: int,
+        *,
+        key: str,
+        tool: str,
+        tool_kind: str,
+        state: Literal["intent", "done"],
+        result: dict[str, Any] | None = None,
+    ) -> None:
+        """Record an intent or an outcome (fenced: LeaseLost if the run is no longer ours)."""
+        params = self._fence_params(lease)
+        params.update(
+            seq=seq,
+            call_index=call_index,
+            key=key,
+            tool=tool,
+            tool_kind=tool_kind,
+            state=state,
+            result=Jsonb(result) if result is not None else None,
+        )
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["record_effect"], params)
+            if await cur.fetchone() is None:
+                check = await conn.cursor(row_factory=dict_row).execute(
+                    queries["fence_state"], {"run_id": lease.run_id}
+                )
+                row = await check.fetchone()
+                held = (
+                    row is not None
+                    and row["status"] == "running"
+                    and (row["lease_owner"], row["lease_epoch"]) == (lease.worker, lease.epoch)
+                )
+                if not held:
+                    raise await self._fence_error(conn, lease)
+                # Held, and the row was there already (an intent recorded twice, or an outcome
+                # already done): nothing to change.
+
+    async def wait_for_approval(
+        self, lease: Lease, reason: str, pending_call: dict[str, Any]
+    ) -> None:
+        params = self._fence_params(lease)
+        params.update(reason=reason, pending_call=Jsonb(pending_call))
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["wait_for_approval"], params)
+            if await cur.fetchone() is None:
+                raise await self._fence_error(conn, lease)
+
+    async def get_approval(
+        self, run_id: UUID, seq: int, call_index: int, stage: str
+    ) -> Approval | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Approval))
+            await cur.execute(
+                queries["get_approval"],
+                {"run_id": run_id, "seq": seq, "call_index": call_index, "stage": stage},
+            )
+            return await cur.fetchone()
+
+    async def decide(
+        self,
+        run_id: str | UUID,
+        seq: int,
+        decision: Literal["approved", "rejected"],
+        *,
+        decided_by: str,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        """Record a human decision on the call a run waits on; the run is claimable again.
+        Returns the call that was decided."""
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(queries["pending_call"], {"run_id": rid})
+            row = await cur.fetchone()
+            if row is None:
+                raise RunNotFound(str(rid))
+            pending = row["pending_call"]
+            if row["status"] != "waiting_approval" or pending is None:
+                raise ConfigError(f"run {rid} is not waiting for approval (it is {row['status']})")
+            if int(pending["seq"]) != seq:
+                raise ConfigError(
+                    f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
+                )
+            await cur.execute(
+                queries["insert_approval"],
+                {
+                    "run_id": rid,
+                    "seq": seq,
+                    "call_index": pending["call_index"],
+                    "stage": pending["stage"],
+                    "decision": decision,
+                    "decided_by": decided_by,
+                    "reason": reason,
+                },
+            )
+            await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
+        return dict(pending)
 
     # -- steps and depth -----------------------------------------------------------------------
 

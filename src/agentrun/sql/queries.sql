@@ -195,3 +195,61 @@ SELECT min(lease_until) - now() AS wait FROM agent_run
 
 -- run_statuses --
 SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
+
+-- list_effects --
+SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result
+  FROM tool_effect WHERE run_id = %(run_id)s AND seq = %(seq)s;
+
+-- record_effect --
+-- Fenced like an append (the UPDATE matches only while this worker holds the run; it also renews
+-- the lease). state 'intent' inserts the intent of an irreversible call; state 'done' records an
+-- outcome, completing an intent if there is one.
+WITH fence AS (
+    UPDATE agent_run SET lease_until = now() + make_interval(secs => %(ttl)s)
+     WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+       AND status = 'running'
+    RETURNING id
+)
+INSERT INTO tool_effect (run_id, seq, call_index, idempotency_key, tool, tool_kind, state,
+                         result, lease_epoch, worker, completed_at)
+SELECT fence.id, %(seq)s, %(call_index)s, %(key)s, %(tool)s, %(tool_kind)s, %(state)s,
+       %(result)s, %(epoch)s, %(worker)s,
+       CASE WHEN %(state)s = 'done' THEN clock_timestamp() END
+  FROM fence
+ON CONFLICT (run_id, seq, call_index) DO UPDATE
+   SET state = 'done', result = EXCLUDED.result, completed_at = clock_timestamp(),
+       lease_epoch = EXCLUDED.lease_epoch, worker = EXCLUDED.worker
+ WHERE tool_effect.state = 'intent' AND EXCLUDED.state = 'done'
+RETURNING state;
+
+-- wait_for_approval --
+-- The run stops and waits for a human; its lease is given up (and the attempt with it: waiting is
+-- not failing), so no worker holds a run nobody can advance.
+UPDATE agent_run
+   SET status = 'waiting_approval', wait_reason = %(reason)s, pending_call = %(pending_call)s,
+       lease_owner = NULL, lease_until = NULL, attempt = greatest(attempt - 1, 0)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
+-- get_approval --
+SELECT decision, decided_by, reason, decided_at FROM approval
+ WHERE run_id = %(run_id)s AND seq = %(seq)s AND call_index = %(call_index)s
+   AND stage = %(stage)s;
+
+-- insert_approval --
+INSERT INTO approval (run_id, seq, call_index, stage, decision, decided_by, reason)
+VALUES (%(run_id)s, %(seq)s, %(call_index)s, %(stage)s, %(decision)s, %(decided_by)s, %(reason)s)
+ON CONFLICT DO NOTHING
+RETURNING decision;
+
+-- resume_after_decision --
+-- Only the call the run is actually waiting on can be decided; the run becomes claimable again.
+UPDATE agent_run
+   SET status = 'pending', wait_reason = NULL, pending_call = NULL
+ WHERE id = %(run_id)s AND status = 'waiting_approval'
+   AND (pending_call ->> 'seq')::int = %(seq)s
+RETURNING pending_call;
+
+-- pending_call --
+SELECT status, pending_call FROM agent_run WHERE id = %(run_id)s FOR UPDATE;

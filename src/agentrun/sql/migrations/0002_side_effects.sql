@@ -1,0 +1,48 @@
+-- agentrun schema, version 2: side effects, approvals.
+--
+-- tool_effect records what a non-idempotent or irreversible tool call did, keyed by its position in
+-- the run (run, seq of the turn that asked for it, index of the call within that turn). A resumed
+-- run reuses a recorded result instead of calling the tool again. For an irreversible call an
+-- 'intent' row is committed BEFORE the call: a resume that finds an intent without an outcome
+-- does not guess; the run waits for a human.
+--
+-- Each effect is recorded, fenced, as soon as its call returns, not only with the turn's
+-- tool_result step: a turn may carry several calls, and a crash during the second must not repeat
+-- the first.
+
+ALTER TABLE agent_run
+    ADD COLUMN wait_reason  text,    -- why a run is waiting_approval, for humans and kubectl
+    ADD COLUMN pending_call jsonb;   -- {"seq","call_index","tool","input","stage"} it waits on
+
+CREATE TABLE tool_effect (
+    run_id          uuid NOT NULL REFERENCES agent_run (id),
+    seq             integer NOT NULL,
+    call_index      integer NOT NULL,
+    idempotency_key text NOT NULL UNIQUE,
+    tool            text NOT NULL,
+    tool_kind       text NOT NULL CHECK (tool_kind IN ('non_idempotent', 'irreversible')),
+    state           text NOT NULL CHECK (state IN ('intent', 'done')),
+    result          jsonb,               -- {"content": ..., "is_error": ...} once done
+    lease_epoch     bigint NOT NULL,
+    worker          text NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    completed_at    timestamptz,
+    PRIMARY KEY (run_id, seq, call_index),
+    CONSTRAINT tool_effect_result_when_done CHECK ((state = 'done') = (result IS NOT NULL))
+);
+
+-- A human decision on one call, durable (who, when, why). stage says what was decided:
+-- 'before_call' (an agent that requires approval before irreversible calls) or 'outcome_unknown'
+-- (a worker died between an irreversible call's intent and its outcome). An approval given before
+-- the call never authorises re-running it after a crash: that needs its own decision.
+CREATE TABLE approval (
+    run_id      uuid NOT NULL REFERENCES agent_run (id),
+    seq         integer NOT NULL,
+    call_index  integer NOT NULL,
+    stage       text NOT NULL CHECK (stage IN ('before_call', 'outcome_unknown')),
+    decision    text NOT NULL CHECK (decision IN ('approved', 'rejected')),
+    decided_by  text NOT NULL,
+    reason      text,
+    decided_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, seq, call_index, stage)
+);

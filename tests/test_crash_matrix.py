@@ -1,0 +1,211 @@
+"""The crash matrix: every fault point x every tool class, with a real SIGKILL and a real resume.
+
+For each case a worker process SIGKILLs itself at the named point of a run that makes one call of
+the given class; a second worker resumes it. The tools write an effect ledger to PostgreSQL, and
+the test checks it: pure and idempotent tools end in the same state, a non-idempotent effect
+happens exactly once, an irreversible effect never happens twice (the run waits for a human when
+its outcome is unknown, and the human's decision is given through the real CLI), seqs are
+contiguous and the run ends right.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import run_cli
+from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
+
+from agentrun.store import Store
+
+TOOLS = {  # tool -> (kind, input)
+    "look": ("pure", {"what": "the schema"}),
+    "set_flag": ("idempotent", {"value": "migrated"}),
+    "send_email": ("non_idempotent", {"to": "ops@example.com"}),
+    "drop_table": ("irreversible", {"table": "orders_old"}),
+}
+POINTS = {  # fault point -> the seq it fires at in these runs
+    "after_model_turn_commit": 0,
+    "after_intent_commit": 0,  # irreversible calls only
+    "after_tool_return": 0,
+    "after_tool_result_commit": 1,
+}
+CASES = [
+    (point, tool)
+    for point in POINTS
+    for tool in TOOLS
+    if point != "after_intent_commit" or TOOLS[tool][0] == "irreversible"
+]
+
+
+def scenario() -> dict[str, Any]:
+    return {
+        "name": "matrix",
+        "scripts": [
+            {
+                "name": tool,
+                "match": f"use {tool}",
+                "turns": [
+                    {
+                        "content": [
+                            {"thinking": f"I need {tool}."},
+                            {"text": f"Calling {tool}."},
+                            {"tool_use": {"name": tool, "input": tool_input}},
+                        ]
+                    },
+                    {"content": [{"text": f"{tool} done."}]},
+                ],
+            }
+            for tool, (_, tool_input) in TOOLS.items()
+        ],
+    }
+
+
+def ledger(url: str, run_id: str) -> dict[str, Any]:
+    with psycopg.connect(url) as conn:
+        attempts = conn.execute(
+            "SELECT count(*) FROM ledger_attempts WHERE run_id = %s", (run_id,)
+        ).fetchone()
+        effects = conn.execute(
+            "SELECT count(*) FROM ledger_effects WHERE run_id = %s", (run_id,)
+        ).fetchone()
+        state = conn.execute(
+            "SELECT value FROM ledger_state WHERE run_id = %s", (run_id,)
+        ).fetchall()
+    return {
+        "attempts": attempts[0] if attempts else 0,
+        "effects": effects[0] if effects else 0,
+        "state": [v for (v,) in state],
+    }
+
+
+@pytest.fixture
+def ledger_db(database_url: str) -> str:
+    # The tools' own schema, read from their module without importing it (importing would
+    # register its tools in this process).
+    source = (TOOLS_DIR / "ledger_tools.py").read_text()
+    schema = source.split('SCHEMA = """', 1)[1].split('"""', 1)[0]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(schema)
+    return database_url
+
+
+@pytest.mark.parametrize(("point", "tool"), CASES, ids=[f"{p}-{t}" for p, t in CASES])
+async def test_crash_at_every_point_for_every_tool_class(
+    point: str, tool: str, store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    kind = TOOLS[tool][0]
+    srv = fake(scenario())
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run(f"use {tool}", AGENT.model_copy(update={"tools": [tool]}))
+    rid = str(run.id)
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    w1 = workers.start("w1", tools=tools, faults=f"{point}@{POINTS[point]}")
+    assert w1.wait() == -signal.SIGKILL, w1.output()[-2000:]
+    at_crash = ledger(ledger_db, rid)
+    workers.start("w2", tools=tools)
+    done = await wait_run(store, run.id, lambda r: r.finished or r.status == "waiting_approval", 30)
+
+    outcome_unknown = kind == "irreversible" and point in (
+        "after_intent_commit",
+        "after_tool_return",
+    )
+    if outcome_unknown:
+        # The worker died between the intent and the outcome: never guess, wait for a human.
+        assert done.status == "waiting_approval", done
+        assert done.wait_reason is not None and done.wait_reason.startswith("outcome unknown")
+        assert done.pending_call is not None
+        assert done.pending_call["tool"] == tool and done.pending_call["seq"] == 0
+        assert ledger(ledger_db, rid)["effects"] == at_crash["effects"]  # nothing re-ran
+        # The operator looks: it happened if the tool returned before the crash.
+        happened = at_crash["effects"] == 1
+        verb = "reject" if happened else "approve"
+        res = run_cli(
+            verb,
+            rid,
+            "0",
+            "--by",
+            "oncall",
+            "--reason",
+            "checked the target",
+            env={"AGENTRUN_DATABASE_URL": ledger_db},
+        )
+        assert res.returncode == 0, res.stderr
+        assert f"{'rejected' if happened else 'approved'} by oncall" in res.stdout
+        done = await wait_run(store, run.id, lambda r: r.finished, 30)
+
+    assert done.status == "succeeded", done.error
+    steps = await store.steps(run.id)
+    assert [s.seq for s in steps] == [0, 1, 2]
+    assert [s.kind for s in steps] == ["model_turn", "tool_result", "model_turn"]
+    result = steps[1].payload["content"][0]
+    final = ledger(ledger_db, rid)
+    if kind == "pure":
+        assert final["effects"] == 0 and result["content"] == "looked at the schema"
+    elif kind == "idempotent":
+        assert final["state"] == ["migrated"]  # same end state, however often it ran
+    elif kind == "non_idempotent":
+        assert final["effects"] == 1  # exactly once
+        # The recorded effect is reused: the tool is only called again when the crash came
+        # after it returned and before its effect was recorded (then the key dedupes it).
+        assert final["attempts"] == (2 if point == "after_tool_return" else 1)
+    else:
+        assert final["effects"] == 1 and final["attempts"] == 1  # never twice
+        if outcome_unknown and at_crash["effects"] == 1:
+            assert result["is_error"] is True and "not retried" in result["content"]
+            assert "oncall" in result["content"]
+        else:
+            assert result["content"] == "dropped orders_old"
+    assert {e["status"] for e in srv.requests()} == {200}  # every replay passed the signature check
+
+
+async def test_an_agent_requiring_approval_waits_before_irreversible_calls(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    srv = fake(scenario())
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    agent = AGENT.model_copy(update={"tools": ["drop_table"], "require_approval": True})
+    approved, _ = await store.create_run("use drop_table", agent)
+    rejected, _ = await store.create_run("use drop_table", agent)
+    env = {"AGENTRUN_DATABASE_URL": ledger_db}
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    w1 = workers.start("w1", tools=tools)
+    for run in (approved, rejected):
+        waiting = await wait_run(store, run.id, lambda r: r.status == "waiting_approval", 30)
+        assert waiting.wait_reason == "approval required before drop_table (step 0)"
+        assert ledger(ledger_db, str(run.id))["attempts"] == 0
+    listed = run_cli("runs", env=env)
+    assert "waiting_approval" in listed.stdout and "approval required" in listed.stdout
+    # A bad decision is refused with a message naming the problem, and changes nothing.
+    bad = run_cli("approve", str(approved.id), "4", env=env)
+    assert bad.returncode == 2 and "waits on step 0 (drop_table), not step 4" in bad.stderr
+    # The worker is restarted; the decisions are durable rows and the new worker acts on them.
+    w1.signal(signal.SIGTERM)
+    assert w1.wait() == 0
+    assert run_cli("approve", str(approved.id), "0", "--by", "alice", env=env).returncode == 0
+    assert (
+        run_cli(
+            "reject", str(rejected.id), "0", "--by", "bob", "--reason", "not today", env=env
+        ).returncode
+        == 0
+    )
+    workers.start("w2", tools=tools)
+    ok = await wait_run(store, approved.id, lambda r: r.finished, 30)
+    no = await wait_run(store, rejected.id, lambda r: r.finished, 30)
+    assert ok.status == no.status == "succeeded"
+    assert ledger(ledger_db, str(approved.id))["effects"] == 1
+    assert ledger(ledger_db, str(rejected.id)) == {"attempts": 0, "effects": 0, "state": []}
+    result = (await store.steps(rejected.id))[1].payload["content"][0]
+    assert result == {
+        "type": "tool_result",
+        "tool_use_id": result["tool_use_id"],
+        "content": "drop_table was rejected by bob: not today",
+        "is_error": True,
+    }
+    with psycopg.connect(ledger_db) as conn:
+        rows = conn.execute(
+            "SELECT decision, decided_by, stage FROM approval ORDER BY decided_by"
+        ).fetchall()
+    assert rows == [("approved", "alice", "before_call"), ("rejected", "bob", "before_call")]

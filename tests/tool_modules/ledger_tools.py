@@ -1,0 +1,83 @@
+"""One tool per class, each writing what it does to ledger tables in the test's database.
+
+``ledger_attempts`` gets a row for every invocation (committed at once, so a crash after it does not
+erase it); ``ledger_effects`` holds the effects themselves. The non-idempotent tool hands
+``ctx.idempotency_key`` to its "remote system" (a unique key), as the seed tells tool owners to;
+the irreversible one has no such protection at all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psycopg
+
+from agentrun import ToolContext, tool
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger_attempts (
+    id serial PRIMARY KEY, tool text NOT NULL, run_id text NOT NULL, seq int NOT NULL,
+    key text NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE IF NOT EXISTS ledger_effects (
+    id serial PRIMARY KEY, tool text NOT NULL, run_id text NOT NULL, key text UNIQUE,
+    at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE IF NOT EXISTS ledger_state (
+    run_id text NOT NULL, tool text NOT NULL, value text NOT NULL, PRIMARY KEY (run_id, tool));
+"""
+
+
+def _attempt(conn: psycopg.Connection[tuple[object, ...]], ctx: ToolContext) -> None:
+    conn.execute(
+        "INSERT INTO ledger_attempts (tool, run_id, seq, key, pid) VALUES (%s, %s, %s, %s, %s)",
+        (ctx.tool_name, ctx.run_id, ctx.seq, ctx.idempotency_key, os.getpid()),
+    )
+
+
+def _connect() -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(os.environ["AGENTRUN_DATABASE_URL"], autocommit=True)
+
+
+@tool(kind="pure")
+def look(ctx: ToolContext, what: str) -> str:
+    """Look at something (no side effect)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+    return f"looked at {what}"
+
+
+@tool(kind="idempotent")
+def set_flag(ctx: ToolContext, value: str) -> str:
+    """Set a flag to a value (the same end state however often)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_state (run_id, tool, value) VALUES (%s, 'set_flag', %s) "
+            "ON CONFLICT (run_id, tool) DO UPDATE SET value = EXCLUDED.value",
+            (ctx.run_id, value),
+        )
+    return f"flag is {value}"
+
+
+@tool(kind="non_idempotent")
+def send_email(ctx: ToolContext, to: str) -> str:
+    """Send an email (the mail service dedupes on the idempotency key)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES ('send_email', %s, %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (ctx.run_id, ctx.idempotency_key),
+        )
+    return f"sent to {to}"
+
+
+@tool(kind="irreversible")
+def drop_table(ctx: ToolContext, table: str) -> str:
+    """Drop a table (irreversible, and nothing downstream dedupes it)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES ('drop_table', %s, NULL)",
+            (ctx.run_id,),
+        )
+    return f"dropped {table}"
