@@ -209,3 +209,72 @@ async def test_an_agent_requiring_approval_waits_before_irreversible_calls(
             "SELECT decision, decided_by, stage FROM approval ORDER BY decided_by"
         ).fetchall()
     assert rows == [("approved", "alice", "before_call"), ("rejected", "bob", "before_call")]
+
+
+async def test_a_compensation_chain_survives_a_sigkill_in_its_middle_and_runs_once(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    srv = fake(
+        {
+            "name": "saga",
+            "scripts": [
+                {
+                    "name": "saga",
+                    "turns": [
+                        {"content": [{"tool_use": {"name": "reserve", "input": {"item": "seat"}}}]},
+                        {
+                            "content": [
+                                {"tool_use": {"name": "reserve", "input": {"item": "hotel"}}}
+                            ]
+                        },
+                        {"content": [{"tool_use": {"name": "charge", "input": {"amount": 120}}}]},
+                        {"content": [{"text": "never reached"}]},
+                    ],
+                }
+            ],
+        }
+    )
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    agent = AGENT.model_copy(update={"tools": ["reserve", "release", "charge"]})
+    run, _ = await store.create_run("book a trip", agent)
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    # seq 0-3: two reservations; seq 4: the charge turn, whose decline aborts the run. The
+    # rollback's first compensation (release hotel, seq 5) returns and the worker dies before
+    # committing it.
+    w1 = workers.start("w1", tools=tools, faults="mid_compensation@5")
+    assert w1.wait() == -signal.SIGKILL, w1.output()[-2000:]
+    mid = await store.get_run(run.id)
+    assert mid.rollback_reason is not None and "card declined" in mid.rollback_reason
+    workers.start("w2", tools=tools)
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "failed"
+    assert done.error == (
+        "tool charge failed: RuntimeError: card declined for 120; compensated: "
+        "release for reserve (step 2), release for reserve (step 0)"
+    )
+    steps = await store.steps(run.id)
+    assert [s.kind for s in steps] == ["model_turn", "tool_result"] * 2 + [
+        "model_turn",
+        "compensation",
+        "compensation",
+    ]
+    assert [s.payload["content"] for s in steps[5:]] == ["released hotel", "released seat"]
+    with psycopg.connect(ledger_db) as conn:
+        effects = conn.execute(
+            "SELECT tool FROM ledger_effects WHERE run_id = %s ORDER BY id", (str(run.id),)
+        ).fetchall()
+        release_calls = conn.execute(
+            "SELECT count(*) FROM ledger_attempts WHERE run_id = %s AND tool = 'release' "
+            "GROUP BY seq ORDER BY seq",
+            (str(run.id),),
+        ).fetchall()
+    # Each effect and each compensation happened exactly once, undone newest first; the release
+    # that returned before the kill was called again with the same key and deduplicated.
+    assert [t for (t,) in effects] == [
+        "reserve:seat",
+        "reserve:hotel",
+        "release:hotel",
+        "release:seat",
+    ]
+    assert release_calls == [(1,), (2,)]  # seat once; hotel twice, one effect
+    assert len(srv.requests()) == 3  # no model call after the abort

@@ -14,6 +14,7 @@ tools), ending in a final turn (finish the run).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ import anthropic
 from agentrun.faults import crash_point
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
 from agentrun.tools import (
+    ToolContext,
     ToolError,
     ToolKind,
     ToolRegistry,
@@ -41,6 +43,10 @@ log = logging.getLogger("agentrun.worker.run")
 
 class RunFailed(Exception):
     """The run cannot go on (a limit, an unknown tool, a tool that aborts): it fails."""
+
+
+class CompensationFailed(Exception):
+    """A compensation could not run: the rollback stops and a human must finish it."""
 
 
 class WaitForApproval(Exception):
@@ -78,6 +84,8 @@ class RunHandle:
 def rebuild_messages(task: str, steps: list[Step]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     for step in steps:
+        if step.kind not in ("model_turn", "tool_result"):
+            continue  # compensations and notes are the runtime's records, not conversation
         role = "assistant" if step.kind == "model_turn" else "user"
         messages.append({"role": role, "content": step.payload["content"]})
     return messages
@@ -167,6 +175,9 @@ class RunExecutor:
         log.info(
             "claimed: attempt %d, epoch %d, resuming at seq %d", run.attempt, h.lease.epoch, seq
         )
+        if run.rollback_reason:  # a worker died mid-rollback: finish it, never go on
+            await self.abort(h, run.rollback_reason)
+            return None
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
@@ -217,6 +228,61 @@ class RunExecutor:
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
 
+    async def abort(self, h: RunHandle, reason: str) -> None:
+        """Tier 3: the run fails. First undo, newest first, every recorded effect that declared
+        a compensation (tier 2), each as a durable step; then fail with a record of what was
+        undone. A resume of a run that began to roll back lands here again and goes on."""
+        reason = await self.store.begin_rollback(h.lease, reason)
+        self._committed(h)
+        outcome = "no_compensation"
+        try:
+            if await self.rollback(h):
+                outcome = "compensated"
+        except CompensationFailed as exc:
+            outcome = "compensation_failed"
+            reason = f"{reason}; ROLLBACK INCOMPLETE, manual action needed: {exc}"
+        undone = [
+            f"{s.payload['compensation']} for {s.payload['tool']} (step {s.payload['seq']})"
+            for s in await self.store.steps(h.run.id)
+            if s.kind == "compensation"
+        ]
+        error = reason + (f"; compensated: {', '.join(undone)}" if undone else "")
+        await self.store.finish(h.lease, "failed", error=error)
+        self.metrics.aborts.labels(outcome).inc()
+        self.metrics.runs_finished.labels("failed").inc()
+        log.error("run failed: %s", error)
+
+    async def rollback(self, h: RunHandle) -> int:
+        """Run the compensations still due, newest effect first. Returns how many ran now."""
+        due = await self.store.compensations_due(h.run.id)
+        seq = (await self.store.get_run(h.run.id)).next_seq
+        for effect in due:
+            assert effect.compensate is not None
+            try:
+                spec = self.registry.get(effect.compensate)
+            except UnknownToolError as exc:
+                raise CompensationFailed(str(exc)) from None
+            # Its own key, derived from the effect it undoes: a crash in the middle of the
+            # rollback and the resume that follows hand the compensating tool the same key.
+            key = hashlib.sha256(f"{effect.idempotency_key}:compensate".encode()).hexdigest()
+            ctx = ToolContext(h.run_id, effect.seq, effect.call_index, effect.compensate, key)
+            try:
+                outcome = await spec.invoke(ctx, effect.input)
+            except Exception as exc:
+                raise CompensationFailed(
+                    f"{effect.compensate} for {effect.tool} (step {effect.seq}) raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            crash_point("mid_compensation", seq)
+            payload = {"seq": effect.seq, "call_index": effect.call_index, "tool": effect.tool,
+                       "compensation": effect.compensate, "content": outcome.content,
+                       "is_error": outcome.is_error}
+            await self._append(h, seq, "compensation", payload)
+            log.warning("compensated %s (step %d) with %s", effect.tool, effect.seq,
+                        effect.compensate)
+            seq += 1
+        return len(due)
+
     def _count_retry(self, reason: str) -> None:
         self.metrics.model_retries.labels(reason).inc()
 
@@ -248,7 +314,10 @@ class RunExecutor:
             spec = self.registry.get(name)
         except UnknownToolError as exc:
             return {**result, "content": str(exc), "is_error": True}
-        recorded = spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
+        recorded = (
+            spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
+            or spec.compensate is not None  # a saga step must be remembered to be undone
+        )
         if recorded and effect is not None and effect.state == "done" and effect.result:
             log.info("seq %d call %d: %s already happened; reusing its recorded result",
                      turn_seq, index, name)
@@ -258,7 +327,7 @@ class RunExecutor:
         async def record(state: Any, outcome: dict[str, Any] | None = None) -> None:
             await self.store.record_effect(
                 h.lease, turn_seq, index, key=key, tool=name, tool_kind=spec.kind.value,
-                state=state, result=outcome)
+                state=state, result=outcome, tool_input=args, compensate=spec.compensate)
             self._committed(h)
 
         if spec.kind is ToolKind.IRREVERSIBLE:

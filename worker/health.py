@@ -54,6 +54,12 @@ class WorkerMetrics:
         self.runs_finished = Counter(
             "agentrun_runs_finished", "Runs this worker finished", ["status"], registry=r
         )
+        self.aborts = Counter(
+            "agentrun_run_aborts",
+            "Runs failed by a tier-3 error, by what the rollback did (alert on "
+            "outcome=compensation_failed: a human must finish it)",
+            ["outcome"], registry=r,
+        )
         self.active_runs = Gauge("agentrun_active_runs", "Runs held now", registry=r)
         self.last_progress = Gauge(
             "agentrun_last_progress_timestamp_seconds",

@@ -274,12 +274,12 @@ class Worker:
             log.info("released for another worker")
 
     async def _fail(self, h: RunHandle, error: str) -> None:
-        log.error("run failed: %s", error)
         try:
-            await self.store.finish(h.lease, "failed", error=error)
-            self.metrics.runs_finished.labels("failed").inc()
+            await self.executor.abort(h, error)
         except LeaseLost as exc:
             log.warning("%s; not marking it failed", exc)
+        except DB_ERRORS as exc:  # the rollback reason is pinned: the next claim goes on with it
+            log.warning("database error while aborting: %s", " ".join(str(exc).split())[:200])
 
     async def _quietly(self, coro: object) -> bool:
         try:

@@ -113,6 +113,7 @@ class Run:
     finished_at: datetime | None
     wait_reason: str | None = None
     pending_call: dict[str, Any] | None = None
+    rollback_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,6 +152,8 @@ class Effect:
     tool_kind: str
     state: str  # "intent" (called, outcome unknown) | "done"
     result: dict[str, Any] | None
+    input: dict[str, Any]
+    compensate: str | None
 
 
 @dataclass(frozen=True)
@@ -491,6 +494,8 @@ class Store:
         tool_kind: str,
         state: Literal["intent", "done"],
         result: dict[str, Any] | None = None,
+        tool_input: dict[str, Any] | None = None,
+        compensate: str | None = None,
     ) -> None:
         """Record an intent or an outcome (fenced: LeaseLost if the run is no longer ours)."""
         params = self._fence_params(lease)
@@ -502,6 +507,8 @@ class Store:
             tool_kind=tool_kind,
             state=state,
             result=Jsonb(result) if result is not None else None,
+            input=Jsonb(tool_input or {}),
+            compensate=compensate,
         )
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["record_effect"], params)
@@ -519,6 +526,24 @@ class Store:
                     raise await self._fence_error(conn, lease)
                 # Held, and the row was there already (an intent recorded twice, or an outcome
                 # already done): nothing to change.
+
+    async def compensations_due(self, run_id: UUID) -> list[Effect]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Effect))
+            await cur.execute(queries["compensations_due"], {"run_id": run_id})
+            return await cur.fetchall()
+
+    async def begin_rollback(self, lease: Lease, reason: str) -> str:
+        """Mark the run as rolling back (once; the first reason stays). Fenced."""
+        params = self._fence_params(lease)
+        params["reason"] = reason
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["begin_rollback"], params)
+            row = await cur.fetchone()
+            if row is None:
+                raise await self._fence_error(conn, lease)
+        pinned: str = row[0]
+        return pinned
 
     async def wait_for_approval(
         self, lease: Lease, reason: str, pending_call: dict[str, Any]

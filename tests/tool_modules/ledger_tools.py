@@ -81,3 +81,37 @@ def drop_table(ctx: ToolContext, table: str) -> str:
             (ctx.run_id,),
         )
     return f"dropped {table}"
+
+
+@tool(kind="non_idempotent", compensate="release")
+def reserve(ctx: ToolContext, item: str) -> str:
+    """Reserve an item (undone by release)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (f"reserve:{item}", ctx.run_id, ctx.idempotency_key),
+        )
+    return f"reserved {item}"
+
+
+@tool(kind="idempotent")
+def release(ctx: ToolContext, item: str) -> str:
+    """Release a reserved item (the compensation of reserve)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (f"release:{item}", ctx.run_id, ctx.idempotency_key),
+        )
+    return f"released {item}"
+
+
+@tool(kind="non_idempotent", on_error="abort")
+def charge(ctx: ToolContext, amount: int) -> str:
+    """Charge the card; a decline aborts the whole run (tier 3)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+    raise RuntimeError(f"card declined for {amount}")

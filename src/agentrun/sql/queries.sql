@@ -197,8 +197,29 @@ SELECT min(lease_until) - now() AS wait FROM agent_run
 SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
 
 -- list_effects --
-SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result
+SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, compensate
   FROM tool_effect WHERE run_id = %(run_id)s AND seq = %(seq)s;
+
+-- compensations_due --
+-- Effects that declared a compensation and have not been compensated yet, newest first (a saga
+-- undoes in reverse order). A compensation step names the call it undid.
+SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.result, e.input,
+       e.compensate
+  FROM tool_effect e
+ WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state = 'done'
+   AND coalesce((e.result ->> 'is_error')::boolean, false) = false
+   AND NOT EXISTS (
+       SELECT 1 FROM agent_step s
+        WHERE s.run_id = e.run_id AND s.kind = 'compensation'
+          AND (s.payload ->> 'seq')::int = e.seq
+          AND (s.payload ->> 'call_index')::int = e.call_index)
+ ORDER BY e.seq DESC, e.call_index DESC;
+
+-- begin_rollback --
+UPDATE agent_run SET rollback_reason = coalesce(rollback_reason, %(reason)s)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING rollback_reason;
 
 -- record_effect --
 -- Fenced like an append (the UPDATE matches only while this worker holds the run; it also renews
@@ -211,9 +232,9 @@ WITH fence AS (
     RETURNING id
 )
 INSERT INTO tool_effect (run_id, seq, call_index, idempotency_key, tool, tool_kind, state,
-                         result, lease_epoch, worker, completed_at)
+                         result, input, compensate, lease_epoch, worker, completed_at)
 SELECT fence.id, %(seq)s, %(call_index)s, %(key)s, %(tool)s, %(tool_kind)s, %(state)s,
-       %(result)s, %(epoch)s, %(worker)s,
+       %(result)s, %(input)s, %(compensate)s, %(epoch)s, %(worker)s,
        CASE WHEN %(state)s = 'done' THEN clock_timestamp() END
   FROM fence
 ON CONFLICT (run_id, seq, call_index) DO UPDATE

@@ -11,8 +11,14 @@
 -- the first.
 
 ALTER TABLE agent_run
-    ADD COLUMN wait_reason  text,    -- why a run is waiting_approval, for humans and kubectl
-    ADD COLUMN pending_call jsonb;   -- {"seq","call_index","tool","input","stage"} it waits on
+    ADD COLUMN wait_reason     text,   -- why a run is waiting_approval, for humans and kubectl
+    ADD COLUMN pending_call    jsonb,  -- {"seq","call_index","tool","input","stage"} it waits on
+    ADD COLUMN rollback_reason text;   -- set once a run aborts: resumes roll back, never go on
+
+-- Compensations are steps too (durable, ordered, each with its own idempotency key).
+ALTER TABLE agent_step DROP CONSTRAINT agent_step_kind_check;
+ALTER TABLE agent_step ADD CONSTRAINT agent_step_kind_check
+    CHECK (kind IN ('model_turn', 'tool_result', 'user', 'note', 'compensation'));
 
 CREATE TABLE tool_effect (
     run_id          uuid NOT NULL REFERENCES agent_run (id),
@@ -20,7 +26,10 @@ CREATE TABLE tool_effect (
     call_index      integer NOT NULL,
     idempotency_key text NOT NULL UNIQUE,
     tool            text NOT NULL,
-    tool_kind       text NOT NULL CHECK (tool_kind IN ('non_idempotent', 'irreversible')),
+    tool_kind       text NOT NULL
+                    CHECK (tool_kind IN ('idempotent', 'non_idempotent', 'irreversible')),
+    input           jsonb NOT NULL,       -- the call's arguments (a compensation gets the same)
+    compensate      text,                 -- the tool that undoes it (saga), if it declares one
     state           text NOT NULL CHECK (state IN ('intent', 'done')),
     result          jsonb,               -- {"content": ..., "is_error": ...} once done
     lease_epoch     bigint NOT NULL,
