@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -90,6 +91,7 @@ def check(url: str, report: Report | None = None) -> Report:
     """Read the database and count what must never happen."""
     r = report or Report()
     with psycopg.connect(url) as conn:
+        conn.execute(ledger_schema())  # no ledger yet: no effects (IF NOT EXISTS, rolled back)
         runs = conn.execute("SELECT id, status FROM agent_run").fetchall()
         r.runs = len(runs)
         r.succeeded = sum(1 for _, s in runs if s == "succeeded")
@@ -246,26 +248,14 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--seconds", type=float, default=120, help="how long to keep killing")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--database-url", help="an EMPTY database (default: a throwaway one)")
+    ap.add_argument("--database-url", help="a database with no runs yet (default: a throwaway one)")
     ap.add_argument("--check-only", action="store_true", help="only run the checker")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from store_bench import pick_admin_url
+    from throwaway_db import throwaway_database
 
-    created = None
-    url = args.database_url
-    if url is None:
-        import uuid
-
-        from psycopg import sql
-        from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-        admin, _server = pick_admin_url(None)
-        created = (admin, f"agentrun_soak_{uuid.uuid4().hex[:8]}")
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(created[1])))
-        url = make_conninfo(**{**conninfo_to_dict(admin), "dbname": created[1]})  # type: ignore[arg-type]
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.database_url or stack.enter_context(throwaway_database("agentrun_soak"))
         if args.check_only:
             report = check(url)
         else:
@@ -284,16 +274,6 @@ def main() -> int:
             print(f"PROBLEM: {problem}")
         print("soak: OK" if report.ok else "soak: FAILED")
         return 0 if report.ok else 1
-    finally:
-        if created is not None:
-            from psycopg import sql
-
-            with psycopg.connect(created[0], autocommit=True) as conn:
-                conn.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        sql.Identifier(created[1])
-                    )
-                )
 
 
 if __name__ == "__main__":

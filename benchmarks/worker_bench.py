@@ -24,19 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import psycopg
 import yaml
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.manifests import AgentSpec
-from agentrun.migrations import migrate
 from agentrun.store import Store
 from agentrun.tools import ToolContext, default_registry, make_context, tool
 from agentrun.worker.executor import RunExecutor, RunHandle, prompt_for
@@ -44,7 +39,7 @@ from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request
 
 sys.path.insert(0, str(Path(__file__).parent))
-from store_bench import pick_admin_url
+from throwaway_db import throwaway_database
 
 # The worker processes of the resume benchmark load this file with --tools, so echo lives in the
 # default registry, as a user's tool would.
@@ -283,22 +278,15 @@ def main() -> int:
     ap.add_argument("--lease-ttl", type=float, default=5.0)
     ap.add_argument("--admin-url")
     args = ap.parse_args()
-    admin, server = pick_admin_url(args.admin_url)
-    name = f"agentrun_wbench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_conninfo(**{**conninfo_to_dict(admin), "dbname": name})  # type: ignore[arg-type]
     tmp = Path(tempfile.mkdtemp())
     fast_path, slow_path = tmp / "fast.yaml", tmp / "slow.yaml"
     plain_path = tmp / "plain.yaml"
     fast_path.write_text(yaml.safe_dump(scenario(args.turns)))
     plain_path.write_text(yaml.safe_dump(scenario(args.turns, thinking=False)))
     slow_path.write_text(yaml.safe_dump(scenario(200, delay_ms=300)))
-    try:
+    with throwaway_database("agentrun_wbench", args.admin_url) as url:
 
         async def run() -> tuple[dict[str, float], dict[str, float]]:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                await migrate(conn)
             # The scripted model runs in a process of its own, as a real provider would: in this
             # process its thread would compete with the loop under test for the GIL.
             with fake_server(fast_path) as fast:
@@ -335,13 +323,6 @@ def main() -> int:
         if "sigkill_after_lease_expiry_s" in res:
             print(f"    of which after lease expiry {res['sigkill_after_lease_expiry_s']:7.2f} s")
         print(f"  resume after SIGTERM          {res['sigterm_resume_s']:7.2f} s (goal < 1 s)")
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-        if server is not None:
-            server.cleanup()
     return 0
 
 

@@ -278,3 +278,102 @@ async def test_a_compensation_chain_survives_a_sigkill_in_its_middle_and_runs_on
     ]
     assert release_calls == [(1,), (2,)]  # seat once; hotel twice, one effect
     assert len(srv.requests()) == 3  # no model call after the abort
+
+
+def _effects(url: str, run_id: str) -> list[str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT tool FROM ledger_effects WHERE run_id = %s ORDER BY id", (run_id,)
+        ).fetchall()
+    return [t for (t,) in rows]
+
+
+async def test_cancel_with_rollback_compensates_then_ends_cancelled(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    srv = fake(
+        {
+            "name": "trip",
+            "scripts": [
+                {
+                    "name": "trip",
+                    "turns": [
+                        {"content": [{"tool_use": {"name": "reserve", "input": {"item": "seat"}}}]},
+                        {
+                            "delay_ms": 2500,
+                            "content": [
+                                {"tool_use": {"name": "reserve", "input": {"item": "hotel"}}}
+                            ],
+                        },
+                        {"content": [{"text": "booked"}]},
+                    ],
+                }
+            ],
+        }
+    )
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run(
+        "book a trip", AGENT.model_copy(update={"tools": ["reserve", "release"]})
+    )
+    workers.start("w", tools=str(TOOLS_DIR / "ledger_tools.py"))
+    await wait_run(store, run.id, lambda r: r.next_seq == 2, 30)  # seat reserved; turn 1 asked
+    res = run_cli(
+        "cancel",
+        str(run.id),
+        "--rollback",
+        "--reason",
+        "plans changed",
+        env={"AGENTRUN_DATABASE_URL": ledger_db},
+    )
+    assert res.returncode == 0 and "rollback requested" in res.stdout, res.stderr
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "cancelled"
+    assert done.error == "cancelled: plans changed; compensated: release for reserve (step 0)"
+    assert _effects(ledger_db, str(run.id)) == ["reserve:seat", "release:seat"]
+
+
+async def test_reject_with_abort_compensates_and_fails_the_run(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    srv = fake(
+        {
+            "name": "risky",
+            "scripts": [
+                {
+                    "name": "risky",
+                    "turns": [
+                        {"content": [{"tool_use": {"name": "reserve", "input": {"item": "slot"}}}]},
+                        {
+                            "content": [
+                                {"tool_use": {"name": "drop_table", "input": {"table": "orders"}}}
+                            ]
+                        },
+                        {"content": [{"text": "done"}]},
+                    ],
+                }
+            ],
+        }
+    )
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    agent = AGENT.model_copy(
+        update={"tools": ["reserve", "release", "drop_table"], "require_approval": True}
+    )
+    run, _ = await store.create_run("risky migration", agent)
+    workers.start("w", tools=str(TOOLS_DIR / "ledger_tools.py"))
+    await wait_run(store, run.id, lambda r: r.status == "waiting_approval", 30)
+    res = run_cli(
+        "reject",
+        str(run.id),
+        "2",
+        "--abort",
+        "--by",
+        "bob",
+        "--reason",
+        "too risky",
+        env={"AGENTRUN_DATABASE_URL": ledger_db},
+    )
+    assert res.returncode == 0, res.stderr
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "failed"
+    assert done.error == ("rejected by bob: too risky; compensated: release for reserve (step 0)")
+    assert _effects(ledger_db, str(run.id)) == ["reserve:slot", "release:slot"]

@@ -67,6 +67,7 @@ class RunHandle:
     task: asyncio.Task[None] | None = None
     abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain"
     in_model_call: bool = False
+    rollback_requested: bool = False  # set by the listener; acted on at the next boundary
     last_renewed: float = field(default_factory=time.monotonic)
 
     @property
@@ -181,6 +182,9 @@ class RunExecutor:
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
+            if h.rollback_requested:  # cancel --rollback / reject --abort, heard while running
+                await self.abort(h, (await self.store.get_run(run.id)).rollback_reason or "")
+                return None
             if last is not None and last[0] == "model_turn":
                 stop = last[1].get("stop_reason")
                 if stop == "tool_use":
@@ -247,9 +251,11 @@ class RunExecutor:
             if s.kind == "compensation"
         ]
         error = reason + (f"; compensated: {', '.join(undone)}" if undone else "")
-        await self.store.finish(h.lease, "failed", error=error)
+        # A cancel that asked for a rollback ends cancelled; every other abort ends failed.
+        final: Any = "cancelled" if reason.startswith("cancelled") else "failed"
+        await self.store.finish(h.lease, final, error=error)
         self.metrics.aborts.labels(outcome).inc()
-        self.metrics.runs_finished.labels("failed").inc()
+        self.metrics.runs_finished.labels(final).inc()
         log.error("run failed: %s", error)
 
     async def rollback(self, h: RunHandle) -> int:
@@ -265,7 +271,10 @@ class RunExecutor:
             # Its own key, derived from the effect it undoes: a crash in the middle of the
             # rollback and the resume that follows hand the compensating tool the same key.
             key = hashlib.sha256(f"{effect.idempotency_key}:compensate".encode()).hexdigest()
-            ctx = ToolContext(h.run_id, effect.seq, effect.call_index, effect.compensate, key)
+            ctx = ToolContext(
+                h.run_id, effect.seq, effect.call_index, effect.compensate, key,
+                compensates_key=effect.idempotency_key,
+            )
             try:
                 outcome = await spec.invoke(ctx, effect.input)
             except Exception as exc:

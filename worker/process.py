@@ -348,6 +348,8 @@ class Worker:
             h.abort("cancelled")
         elif event["epoch"] != h.lease.epoch:
             h.abort("lease lost")
+        elif event.get("rollback"):
+            h.rollback_requested = True
 
     async def _recheck_held_runs(self) -> None:
         if not self.active:

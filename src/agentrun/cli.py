@@ -118,8 +118,17 @@ async def cmd_decide(args: argparse.Namespace) -> int:
         "approved" if args.command == "approve" else "rejected"
     )
     by = args.by or os.environ.get("USER") or "cli"
+    abort = bool(getattr(args, "abort", False))
     async with await _open_store() as store:
-        call = await store.decide(args.run, args.seq, decision, decided_by=by, reason=args.reason)
+        call = await store.decide(
+            args.run, args.seq, decision, decided_by=by, reason=args.reason, abort=abort
+        )
+    if abort:
+        print(
+            f"run {args.run}: {call['tool']} (step {args.seq}) rejected by {by}; the run "
+            "rolls back its compensable effects and fails"
+        )
+        return 0
     stage = str(call["stage"]).replace("_", " ")
     print(
         f"run {args.run}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
@@ -130,7 +139,14 @@ async def cmd_decide(args: argparse.Namespace) -> int:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
-        run, changed = await store.cancel(args.run, reason=args.reason)
+        if args.rollback:
+            reason = "cancelled" + (f": {args.reason}" if args.reason else " with rollback")
+            run, changed = await store.request_rollback(args.run, reason)
+        else:
+            run, changed = await store.cancel(args.run, reason=args.reason)
+    if changed and args.rollback:
+        print(f"run {run.id}: rollback requested; its compensations run, then it ends cancelled")
+        return 0
     if changed:
         print(f"run {run.id} cancelled")
         return 0
@@ -328,11 +344,22 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("seq", type=int, help="the step of the call (agentrun runs shows it)")
         s.add_argument("--reason")
         s.add_argument("--by", help="who decides (default: $USER)")
+        if name == "reject":
+            s.add_argument(
+                "--abort",
+                action="store_true",
+                help="end the run: compensate what it did (saga), then fail",
+            )
         s.set_defaults(func=cmd_decide)
 
     s = sub.add_parser("cancel", help="cancel a run (stops an in-flight model call)")
     s.add_argument("run", help="run id")
     s.add_argument("--reason")
+    s.add_argument(
+        "--rollback",
+        action="store_true",
+        help="first undo what the run did (compensations, newest first)",
+    )
     s.set_defaults(func=cmd_cancel)
 
     return p

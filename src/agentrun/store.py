@@ -236,7 +236,11 @@ class Store:
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True},
+            # prepare_threshold=0: our statements are a small fixed set, so prepare each on its
+            # first use. With the default (5 uses per connection) a pool spreads a rare query
+            # such as the claim over its connections and re-plans it nearly every time: claims
+            # measured 2.4x the single-connection baseline before this, appends were unaffected.
+            kwargs={"autocommit": True, "prepare_threshold": 0},
             open=False,
             name="agentrun",
             # A connection broken by a database restart is discarded when returned; the caller's
@@ -452,7 +456,7 @@ class Store:
     async def finish(
         self,
         lease: Lease,
-        status: Literal["succeeded", "failed", "dead_letter"],
+        status: Literal["succeeded", "failed", "cancelled", "dead_letter"],
         *,
         result: str | None = None,
         error: str | None = None,
@@ -574,8 +578,10 @@ class Store:
         *,
         decided_by: str,
         reason: str | None = None,
+        abort: bool = False,
     ) -> dict[str, Any]:
         """Record a human decision on the call a run waits on; the run is claimable again.
+        ``abort`` (with a rejection) ends the run instead, compensating what it did.
         Returns the call that was decided."""
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn, conn.transaction():
@@ -603,8 +609,22 @@ class Store:
                     "reason": reason,
                 },
             )
-            await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
+            if abort:
+                why = f"rejected by {decided_by}" + (f": {reason}" if reason else "")
+                await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": why})
+            else:
+                await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
         return dict(pending)
+
+    async def request_rollback(self, run_id: str | UUID, reason: str) -> tuple[Run, bool]:
+        """Ask for the run's compensations to run and the run to end (see queries.sql).
+        Returns the run and whether the request was recorded (False: already finished)."""
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": reason})
+            run = await cur.fetchone()
+        return (run, True) if run is not None else (await self.get_run(rid), False)
 
     # -- steps and depth -----------------------------------------------------------------------
 

@@ -176,6 +176,9 @@ class ToolContext:
     tool_name: str
     idempotency_key: str  # identical on every attempt at this call; hand it to remote systems
     attempt: int = 1  # 1 on the first try, incremented by each retry
+    # In a compensation: the idempotency key of the call being undone (what the remote system
+    # knows the original effect by: the charge a refund must find). None otherwise.
+    compensates_key: str | None = None
 
     @cached_property
     def logger(self) -> logging.LoggerAdapter[logging.Logger]:

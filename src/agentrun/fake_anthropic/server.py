@@ -399,9 +399,10 @@ async def _stream(
         }
     )
     entry.update(completed=False, disconnected=False)
-    await response.prepare(request)
     events = list(stream_events(message))
     try:
+        # A client killed before the headers went out (a SIGKILLed worker) is a disconnect too.
+        await response.prepare(request)
         for n, (name, data) in enumerate(events):
             await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
             if delay and n < len(events) - 1:

@@ -274,3 +274,16 @@ RETURNING pending_call;
 
 -- pending_call --
 SELECT status, pending_call FROM agent_run WHERE id = %(run_id)s FOR UPDATE;
+
+-- request_rollback --
+-- Ask for a run's effects to be compensated and the run ended. A holder is NOT fenced off (a
+-- tool of it may be running, and its effect must be recorded to be undone): it hears the
+-- notification and rolls back at its next commit boundary. A run nobody holds becomes claimable,
+-- and the next claim rolls it back.
+UPDATE agent_run
+   SET rollback_reason = coalesce(rollback_reason, %(reason)s),
+       status = CASE WHEN status = 'waiting_approval' THEN 'pending' ELSE status END,
+       wait_reason = CASE WHEN status = 'waiting_approval' THEN NULL ELSE wait_reason END,
+       pending_call = CASE WHEN status = 'waiting_approval' THEN NULL ELSE pending_call END
+ WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
+RETURNING *;

@@ -55,3 +55,36 @@ CREATE TABLE approval (
     decided_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (run_id, seq, call_index, stage)
 );
+
+-- Notifications now also say when a rollback was requested (agentrun cancel --rollback, agentrun
+-- reject --abort), so the worker holding the run rolls back at its next commit boundary.
+CREATE FUNCTION agentrun_notify_run_v2() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('agentrun_run_changed', json_build_object(
+        'id', NEW.id, 'pool', NEW.pool, 'status', NEW.status, 'step', NEW.next_seq,
+        'attempt', NEW.attempt, 'epoch', NEW.lease_epoch,
+        'rollback', NEW.rollback_reason IS NOT NULL)::text);
+    IF NEW.status = 'pending' AND NEW.lease_owner IS NULL
+       AND (TG_OP = 'INSERT' OR OLD.status IS DISTINCT FROM NEW.status
+            OR OLD.lease_owner IS NOT NULL) THEN
+        PERFORM pg_notify('agentrun_run_ready', NEW.pool);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER agent_run_notify_insert ON agent_run;
+DROP TRIGGER agent_run_notify_update ON agent_run;
+DROP FUNCTION agentrun_notify_run_v1();
+CREATE TRIGGER agent_run_notify_insert
+    AFTER INSERT ON agent_run
+    FOR EACH ROW EXECUTE FUNCTION agentrun_notify_run_v2();
+CREATE TRIGGER agent_run_notify_update
+    AFTER UPDATE ON agent_run
+    FOR EACH ROW
+    WHEN (OLD.status IS DISTINCT FROM NEW.status
+          OR OLD.lease_epoch IS DISTINCT FROM NEW.lease_epoch
+          OR OLD.lease_owner IS DISTINCT FROM NEW.lease_owner
+          OR OLD.rollback_reason IS DISTINCT FROM NEW.rollback_reason)
+    EXECUTE FUNCTION agentrun_notify_run_v2();
