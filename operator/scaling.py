@@ -1,0 +1,75 @@
+"""How many workers a pool should have: the operator's scaling decision, kept pure.
+
+    desired = ceil((pending + running) / runsPerWorker), clamped to [minReplicas, maxReplicas]
+
+Up at once (a new pending run must reach a pool scaled to zero within seconds, not a polling
+interval); down only after the lower demand has lasted ``scale_down_delay`` (so a burst that
+finishes does not thrash the Deployment, and a pod holding leases is not removed while another
+run is about to arrive). The operator feeds it the store's per-pool depth (from NOTIFY and its
+resync) and patches the Deployment's scale subresource when the answer changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from agentrun.store import PoolDepth
+
+
+@dataclass(frozen=True)
+class PoolScaling:
+    """A worker pool's scaling settings (Helm values: workers.pools[].autoscaling)."""
+
+    pool: str
+    deployment: str
+    runs_per_worker: int = 4
+    min_replicas: int = 0
+    max_replicas: int = 10
+    scale_down_delay: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.runs_per_worker < 1:
+            raise ValueError(f"pool {self.pool}: runsPerWorker must be at least 1")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"pool {self.pool}: need 0 <= minReplicas ({self.min_replicas}) <= maxReplicas "
+                f"({self.max_replicas})"
+            )
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+
+
+@dataclass
+class Scaler:
+    settings: PoolScaling
+    _lower_since: float | None = field(default=None, init=False)
+
+    def demand(self, depth: PoolDepth | None) -> int:
+        live = (depth.pending + depth.running) if depth else 0
+        wanted = math.ceil(live / self.settings.runs_per_worker)
+        return max(self.settings.min_replicas, min(self.settings.max_replicas, wanted))
+
+    def decide(self, depth: PoolDepth | None, current: int, now: float) -> Decision:
+        """The replica count to set now (``current`` when nothing should change)."""
+        wanted = self.demand(depth)
+        live = (depth.pending + depth.running) if depth else 0
+        if wanted >= current:
+            self._lower_since = None
+            if wanted > current:
+                return Decision(wanted, f"scale up: {live} live runs need {wanted}")
+            return Decision(current, "steady")
+        if self._lower_since is None:
+            self._lower_since = now
+        waited = now - self._lower_since
+        if waited < self.settings.scale_down_delay:
+            return Decision(
+                current,
+                f"hold: {wanted} would do for {waited:.0f}s of {self.settings.scale_down_delay:.0f}s",
+            )
+        self._lower_since = None
+        return Decision(wanted, f"scale down: {live} live runs need {wanted}")

@@ -1,0 +1,67 @@
+"""The scaling decision, fed real per-pool depth from the store and a clock of the test's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrun.manifests import AgentSpec
+from agentrun.operator.scaling import PoolScaling, Scaler
+from agentrun.store import Store
+
+AGENT = AgentSpec(model="m", pool="gpu")
+
+
+async def test_scales_from_zero_up_with_depth_capped_and_down_only_after_the_delay(
+    store: Store,
+) -> None:
+    scaler = Scaler(
+        PoolScaling(
+            pool="gpu",
+            deployment="workers-gpu",
+            runs_per_worker=2,
+            min_replicas=0,
+            max_replicas=3,
+            scale_down_delay=60,
+        )
+    )
+    assert scaler.decide((await store.pool_depth()).get("gpu"), 0, now=0).replicas == 0
+
+    first, _ = await store.create_run("t", AGENT)  # one pending run: from zero at once
+    d = scaler.decide((await store.pool_depth())["gpu"], 0, now=1)
+    assert d.replicas == 1 and d.reason.startswith("scale up")
+
+    runs = [first.id] + [(await store.create_run("t", AGENT))[0].id for _ in range(4)]
+    assert scaler.decide((await store.pool_depth())["gpu"], 1, now=2).replicas == 3  # 5/2 -> 3
+    for _ in range(6):
+        await store.create_run("t", AGENT)
+    assert scaler.decide((await store.pool_depth())["gpu"], 3, now=3).replicas == 3  # capped
+
+    for rid in [*runs, *[r.id for r in await store.list_runs(status="pending")]]:
+        await store.cancel(rid)  # demand drops to zero
+    depth = (await store.pool_depth()).get("gpu")
+    assert scaler.decide(depth, 3, now=10).replicas == 3  # not yet: the delay holds
+    assert scaler.decide(depth, 3, now=69).reason.startswith("hold")
+    down = scaler.decide(depth, 3, now=71)
+    assert down.replicas == 0 and down.reason.startswith("scale down")
+
+
+async def test_a_new_run_during_the_delay_cancels_the_scale_down(store: Store) -> None:
+    scaler = Scaler(
+        PoolScaling(
+            pool="gpu", deployment="w", runs_per_worker=1, max_replicas=5, scale_down_delay=30
+        )
+    )
+    assert scaler.decide(None, 2, now=0).reason.startswith("hold")
+    await store.create_run("t", AGENT)
+    await store.create_run("t", AGENT)
+    assert scaler.decide((await store.pool_depth())["gpu"], 2, now=20).reason == "steady"
+    # The clock restarts: dropping again must wait the full delay.
+    assert scaler.decide(None, 2, now=45).reason.startswith("hold")
+    assert scaler.decide(None, 2, now=76).replicas == 0
+
+
+def test_bad_pool_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="runsPerWorker"):
+        PoolScaling(pool="p", deployment="d", runs_per_worker=0)
+    with pytest.raises(ValueError, match="minReplicas"):
+        PoolScaling(pool="p", deployment="d", min_replicas=4, max_replicas=2)
