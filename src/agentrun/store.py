@@ -20,7 +20,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, overload
 from uuid import UUID
 
 import psycopg
@@ -392,24 +392,12 @@ class Store:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
         (the earlier one wins: a resumed run keeps what it first sent)."""
         await self.ensure_prompt_version(pv)
-        params = self._fence_params(lease)
-        params["prompt_version"] = pv.id
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["pin_prompt_version"], params)
-            row = await cur.fetchone()
-            if row is None:
-                raise await self._fence_error(conn, lease)
+        row = await self._fenced("pin_prompt_version", lease, prompt_version=pv.id)
         pinned: str = row[0]
         return pinned
 
     async def renew(self, lease: Lease, *, ttl: float | None = None) -> datetime:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                queries["renew_lease"], self._fence_params(lease, ttl=ttl or self.lease_ttl)
-            )
-            row = await cur.fetchone()
-            if row is None:
-                raise await self._fence_error(conn, lease)
+        row = await self._fenced("renew_lease", lease, ttl=ttl)
         until: datetime = row[0]
         return until
 
@@ -443,17 +431,11 @@ class Store:
 
     async def release(self, lease: Lease) -> bool:
         """Hand the run back (draining): claimable at once. False if it was no longer ours."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["release_lease"], self._fence_params(lease))
-            return await cur.fetchone() is not None
+        return await self._fenced("release_lease", lease, required=False) is not None
 
     async def abandon(self, lease: Lease, error: str) -> bool:
         """Give the claim up, keeping the attempt spent (see queries.sql abandon_run)."""
-        params = self._fence_params(lease)
-        params["error"] = error
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["abandon_run"], params)
-            return await cur.fetchone() is not None
+        return await self._fenced("abandon_run", lease, required=False, error=error) is not None
 
     async def next_lease_expiry(self, pool: str, worker: str) -> float | None:
         """Seconds until the earliest lease of ``pool`` held by another worker expires."""
@@ -477,12 +459,7 @@ class Store:
         result: str | None = None,
         error: str | None = None,
     ) -> None:
-        params = self._fence_params(lease)
-        params.update(status=status, result=result, error=error)
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["finish_run"], params)
-            if await cur.fetchone() is None:
-                raise await self._fence_error(conn, lease)
+        await self._fenced("finish_run", lease, status=status, result=result, error=error)
 
     async def cancel(self, run_id: str | UUID, reason: str | None = None) -> tuple[Run, bool]:
         """Cancel a run that has not finished. Returns the run as it now is and whether this call
@@ -555,25 +532,16 @@ class Store:
 
     async def begin_rollback(self, lease: Lease, reason: str) -> str:
         """Mark the run as rolling back (once; the first reason stays). Fenced."""
-        params = self._fence_params(lease)
-        params["reason"] = reason
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["begin_rollback"], params)
-            row = await cur.fetchone()
-            if row is None:
-                raise await self._fence_error(conn, lease)
+        row = await self._fenced("begin_rollback", lease, reason=reason)
         pinned: str = row[0]
         return pinned
 
     async def wait_for_approval(
         self, lease: Lease, reason: str, pending_call: dict[str, Any]
     ) -> None:
-        params = self._fence_params(lease)
-        params.update(reason=reason, pending_call=Jsonb(pending_call))
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["wait_for_approval"], params)
-            if await cur.fetchone() is None:
-                raise await self._fence_error(conn, lease)
+        await self._fenced(
+            "wait_for_approval", lease, reason=reason, pending_call=Jsonb(pending_call)
+        )
 
     async def get_approval(
         self, run_id: UUID, seq: int, call_index: int, stage: str
@@ -688,6 +656,48 @@ class Store:
             "epoch": lease.epoch,
             "ttl": ttl if ttl is not None else self.lease_ttl,
         }
+
+    @overload
+    async def _fenced(
+        self,
+        name: str,
+        lease: Lease,
+        *,
+        required: Literal[True] = ...,
+        ttl: float | None = ...,
+        **extra: Any,
+    ) -> tuple[Any, ...]: ...
+
+    @overload
+    async def _fenced(
+        self,
+        name: str,
+        lease: Lease,
+        *,
+        required: Literal[False],
+        ttl: float | None = ...,
+        **extra: Any,
+    ) -> tuple[Any, ...] | None: ...
+
+    async def _fenced(
+        self,
+        name: str,
+        lease: Lease,
+        *,
+        required: bool = True,
+        ttl: float | None = None,
+        **extra: Any,
+    ) -> tuple[Any, ...] | None:
+        """Run one fenced statement of queries.sql (it matches only while ``lease`` holds the
+        running run). No match: None, or with ``required`` the error that says why."""
+        params = self._fence_params(lease, ttl=ttl)
+        params.update(extra)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries[name], params)
+            row = await cur.fetchone()
+            if row is None and required:
+                raise await self._fence_error(conn, lease)
+        return row
 
     async def _fence_error(self, conn: psycopg.AsyncConnection[Any], lease: Lease) -> Exception:
         """Explain why a fenced write matched nothing."""
