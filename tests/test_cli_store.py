@@ -117,3 +117,9 @@ def test_runs_and_cancel_from_the_cli(database_url: str) -> None:
     assert row["id"] == rid and row["status"] == "cancelled"
     res = run_cli("cancel", rid, env=env)
     assert res.returncode == 1 and "already finished" in res.stderr
+
+
+def test_a_bad_numeric_environment_setting_is_one_line_and_exit_2() -> None:
+    res = run_cli("runs", env={"AGENTRUN_LEASE_TTL": "fifteen"})
+    assert res.returncode == 2
+    assert res.stderr.strip() == "agentrun: error: AGENTRUN_LEASE_TTL='fifteen' is not a number"

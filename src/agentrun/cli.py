@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 from agentrun import __version__
 from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
-from agentrun.config import DATABASE_URL_ENV, redact_url
+from agentrun.config import DATABASE_URL_ENV, env_float, env_int, redact_url
 from agentrun.embedded import database_url
 from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("worker", help="run a worker process")
     s.add_argument("--pool", default=_env("POOL", "default"))
     s.add_argument(
-        "--concurrency", type=int, default=int(_env("CONCURRENCY", "4")), help="runs held at once"
+        "--concurrency",
+        type=int,
+        default=env_int("AGENTRUN_CONCURRENCY", 4),
+        help="runs held at once",
     )
     s.add_argument(
         "--tools",
@@ -309,22 +312,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="module or .py file defining @tool functions; repeatable",
     )
-    s.add_argument("--lease-ttl", type=float, default=float(_env("LEASE_TTL", "15")))
-    s.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "5")))
-    s.add_argument("--drain-grace", type=float, default=float(_env("DRAIN_GRACE", "25")))
+    s.add_argument("--lease-ttl", type=float, default=env_float("AGENTRUN_LEASE_TTL", 15))
+    s.add_argument("--poll-interval", type=float, default=env_float("AGENTRUN_POLL_INTERVAL", 5))
+    s.add_argument("--drain-grace", type=float, default=env_float("AGENTRUN_DRAIN_GRACE", 25))
     s.add_argument(
         "--liveness-threshold",
         type=float,
-        default=float(_env("LIVENESS_THRESHOLD", "60")),
+        default=env_float("AGENTRUN_LIVENESS_THRESHOLD", 60),
         help="/healthz fails after this many seconds without progress",
     )
     s.add_argument(
         "--health-port",
         type=int,
-        default=int(_env("HEALTH_PORT", "8080")),
+        default=env_int("AGENTRUN_HEALTH_PORT", 8080),
         help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
     )
-    s.add_argument("--model-retries", type=int, default=int(_env("MODEL_RETRIES", "8")))
+    s.add_argument("--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8))
     s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
@@ -377,7 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fake-anthropic"]:
         return cmd_fake_anthropic(argv[1:])
-    parser = build_parser()
+    try:
+        parser = build_parser()  # reads AGENTRUN_* defaults: a bad value is a one-line error
+    except ConfigError as exc:
+        print(f"agentrun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = parser.parse_args(argv)
     func: AsyncCommand = args.func
     try:
