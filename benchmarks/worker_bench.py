@@ -34,7 +34,7 @@ import yaml
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
 from agentrun.tools import ToolContext, default_registry, make_context, tool
-from agentrun.worker.executor import RunExecutor, RunHandle, prompt_for
+from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request
 
@@ -119,7 +119,6 @@ async def per_step(url: str, base_url: str, turns: int, repeat: int) -> dict[str
         RetryPolicy(),
         is_draining=lambda: False,
     )
-    assert prompt_for  # the durable loop pins the same definitions at first claim
     mem: list[float] = []
     dur: list[float] = []
     try:

@@ -92,6 +92,14 @@ def rebuild_messages(task: str, steps: list[Step]) -> list[dict[str, Any]]:
     return messages
 
 
+def records_effects(spec: ToolSpec) -> bool:
+    """Whether a call of this tool is recorded in tool_effect (see docs/side-effects.md)."""
+    return (
+        spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
+        or spec.compensate is not None  # a saga step must be remembered to be undone
+    )
+
+
 def final_text(payload: dict[str, Any]) -> str:
     return "".join(b.get("text", "") for b in payload.get("content", []) if b.get("type") == "text")
 
@@ -300,7 +308,13 @@ class RunExecutor:
     ) -> list[dict[str, Any]]:
         """Run the turn's tool calls in order; one tool_result block each."""
         calls = [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
-        effects = await self.store.effects(h.run.id, turn_seq) if calls else {}
+        # Only calls of recording tools can have an effect on record: a turn of pure calls (the
+        # common case) costs no extra round trip.
+        recording = any(
+            b["name"] in self.registry and records_effects(self.registry.get(b["name"]))
+            for b in calls
+        )
+        effects = await self.store.effects(h.run.id, turn_seq) if recording else {}
         return [
             await self.call_tool(h, turn_seq, i, b, effects.get(i)) for i, b in enumerate(calls)
         ]
@@ -323,10 +337,7 @@ class RunExecutor:
             spec = self.registry.get(name)
         except UnknownToolError as exc:
             return {**result, "content": str(exc), "is_error": True}
-        recorded = (
-            spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
-            or spec.compensate is not None  # a saga step must be remembered to be undone
-        )
+        recorded = records_effects(spec)
         if recorded and effect is not None and effect.state == "done" and effect.result:
             log.info("seq %d call %d: %s already happened; reusing its recorded result",
                      turn_seq, index, name)

@@ -26,6 +26,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -281,9 +282,10 @@ class Worker:
         except DB_ERRORS as exc:  # the rollback reason is pinned: the next claim goes on with it
             log.warning("database error while aborting: %s", " ".join(str(exc).split())[:200])
 
-    async def _quietly(self, coro: object) -> bool:
+    async def _quietly(self, update: Awaitable[object]) -> bool:
+        """Run a store update whose failure must not take the run's task down."""
         try:
-            return bool(await coro)  # type: ignore[misc]
+            return bool(await update)
         except (LeaseLost, *DB_ERRORS) as exc:
             log.warning("could not update the run: %s", exc)
             return False

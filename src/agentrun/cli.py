@@ -104,7 +104,7 @@ async def cmd_steps(args: argparse.Namespace) -> int:
             s.created_at.strftime("%H:%M:%S.%f")[:-3],
             s.worker,
             str(s.lease_epoch),
-            summarize_payload(s.kind, s.payload),
+            summarize_payload(s.payload),
         ]
         for s in steps
     ]

@@ -61,7 +61,7 @@ def step_to_json(step: Step) -> dict[str, Any]:
     }
 
 
-def summarize_payload(kind: str, payload: Any) -> str:
+def summarize_payload(payload: Any) -> str:
     """One line for a step: what the model said or called, or what a tool returned."""
     blocks = payload.get("content", payload) if isinstance(payload, dict) else payload
     if not isinstance(blocks, list):

@@ -171,7 +171,7 @@ def _report(url: str, run: Run, steps: list[Any], killed_at: float, started: flo
         step = str(turn) if s.kind == "model_turn" else ""
         _say(
             f"  {s.seq:>3}  {step:>4}  {s.worker:8}  {s.kind:11}  "
-            f"{summarize_payload(s.kind, s.payload)[:80]}"
+            f"{summarize_payload(s.payload)[:80]}"
         )
     with psycopg.connect(url) as conn:
         ledger = conn.execute(

@@ -67,8 +67,3 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     root.setLevel(level.upper())
     # httpx logs every request at INFO; keep it for debugging only.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
-def run_logger(run_id: str, name: str = "agentrun.run") -> logging.LoggerAdapter[logging.Logger]:
-    """A logger whose lines carry ``run_id`` even outside the run's task."""
-    return logging.LoggerAdapter(logging.getLogger(name), {"run_id": run_id})

@@ -625,11 +625,6 @@ class Store:
             await cur.execute(queries["pool_depth"])
             return {d.pool: d for d in await cur.fetchall()}
 
-    async def counts_by_status(self) -> dict[tuple[str, str], int]:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["counts_by_status"])
-            return {(str(p), str(s)): int(n) for p, s, n in await cur.fetchall()}
-
     # -- notifications -------------------------------------------------------------------------
 
     async def listen(

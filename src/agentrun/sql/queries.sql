@@ -151,9 +151,6 @@ SELECT pool,
  WHERE status IN ('pending', 'running')
  GROUP BY pool;
 
--- counts_by_status --
-SELECT pool, status, count(*) AS n FROM agent_run GROUP BY pool, status;
-
 -- migration_lock --
 -- Serialises concurrent `agentrun migrate` runs (operator replicas and worker pods starting
 -- together). Transaction-scoped: released by the commit that records the migrations.
