@@ -9,8 +9,12 @@ the model saw by one field fails with the real 400.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
@@ -219,3 +223,34 @@ async def test_unknown_tool_fails_the_run_with_a_message_naming_it(
     assert done.status == "failed"
     assert done.error is not None and "send_email" in done.error and "--tools" in done.error
     assert srv.requests() == []  # nothing was sent to the model
+
+
+async def test_prestop_drain_releases_the_runs_and_waits_for_sigterm(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    # The Helm chart's preStop hook is GET /drain: it must hand the run back and answer only
+    # once nothing is held, then the worker must stay up (not crash-exit) until SIGTERM, and that
+    # SIGTERM must be a clean exit, not the "second signal exits at once".
+    srv = fake(echo_scenario(3, slow={0: 200}, long_text={0: 20}))
+    use(workers, srv)
+    run, _ = await store.create_run("echo", AGENT)
+    w = workers.start("w", lease_ttl=30, poll=30, health=True)
+    await wait_run(store, run.id, lambda r: r.lease_owner == "w", 20)
+    await wait_for(lambda: any(e.get("turn") == 0 for e in srv.requests()), 10, "model call")
+
+    def get(path: str) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{w.health_port}{path}", timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = await asyncio.to_thread(get, "/drain")
+    assert (status, body) == (200, {"drained": True, "released": 1})
+    released = await store.get_run(run.id)
+    assert released.lease_owner is None and released.status == "pending"
+    assert (await asyncio.to_thread(get, "/readyz"))[0] == 503
+    await asyncio.sleep(1.0)
+    assert w.popen.poll() is None, "a drained worker must wait for SIGTERM, not exit by itself"
+    w.signal(signal.SIGTERM)
+    assert w.wait(10) == 0

@@ -14,6 +14,7 @@ tools), ending in a final turn (finish the run).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -226,7 +227,7 @@ class RunExecutor:
                     self.client,
                     build_request(pv, messages),
                     policy=self.retry,
-                    on_first_event=lambda: crash_point("mid_model_stream", turn_seq),
+                    on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
                     on_retry=self._count_retry,
                 )
             finally:

@@ -10,6 +10,7 @@ PostgreSQL comes back and the next poll succeeds.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -75,6 +76,8 @@ class Health:
     last_progress: float = field(default_factory=time.monotonic)
     ready: bool = False
     draining: bool = False
+    #: Starts the drain and returns once no run is held (set by the worker; serves /drain).
+    drain: Callable[[], Awaitable[int]] | None = None
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()
@@ -111,8 +114,19 @@ def make_app(health: Health) -> web.Application:
         body = generate_latest(health.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def drain(_: web.Request) -> web.Response:
+        # The pod's preStop hook: stop claiming, hand the runs back, answer once drained, so
+        # Kubernetes sends SIGTERM to a worker that holds nothing. GET because preStop httpGet
+        # can only GET; it is idempotent.
+        if health.drain is None:
+            return web.json_response({"error": "drain not available"}, status=404)
+        released = await health.drain()
+        return web.json_response({"drained": True, "released": released})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/drain", drain)
+    app.router.add_post("/drain", drain)
     return app

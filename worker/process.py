@@ -81,6 +81,7 @@ class Worker:
         self.settings = settings
         self.metrics = WorkerMetrics()
         self.health = Health(settings.liveness_threshold, self.metrics)
+        self.health.drain = self.drain_and_wait
         self.executor = RunExecutor(
             store,
             client,
@@ -94,6 +95,9 @@ class Worker:
         self.draining = False
         self._wake = asyncio.Event()
         self._signals = 0
+        self._drained = asyncio.Event()
+        self._signalled = asyncio.Event()
+        self._drain_requested_over_http = False
         self.health_port: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -114,6 +118,11 @@ class Worker:
             await self._claim_loop()
             await self._drain()
             log.info("drained: no run held")
+            self._drained.set()
+            if self._drain_requested_over_http:
+                # The preStop hook drained us; Kubernetes sends SIGTERM once it returns. Exiting
+                # before that would look like a crash and restart the container.
+                await self._signalled.wait()
         finally:
             # Every step of the shutdown is bounded: once the runs are released nothing may keep
             # the process from exiting (an intermittent hang after release was seen once, and
@@ -132,6 +141,7 @@ class Worker:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._signals += 1
+        self._signalled.set()
         if self._signals > 1:
             log.warning("second %s: exiting at once", sig.name)
             os._exit(1)
@@ -145,6 +155,19 @@ class Worker:
         for h in self.active.values():
             if h.in_model_call:
                 h.abort("drain")
+
+    async def drain_and_wait(self) -> int:
+        """/drain (the pod's preStop hook): drain, and return once no run is held.
+
+        A SIGTERM that follows is then the first signal, not the "second signal exits at once".
+        """
+        held = len(self.active)
+        if not self.draining:
+            log.info("drain requested over HTTP: releasing %d run(s)", held)
+            self._drain_requested_over_http = True
+            self.request_drain()
+        await self._drained.wait()
+        return held
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self.active.values() if h.task is not None]
