@@ -23,6 +23,7 @@ class PoolScaling:
 
     pool: str
     deployment: str
+    namespace: str = "default"
     runs_per_worker: int = 4
     min_replicas: int = 0
     max_replicas: int = 10
@@ -66,10 +67,8 @@ class Scaler:
         if self._lower_since is None:
             self._lower_since = now
         waited = now - self._lower_since
-        if waited < self.settings.scale_down_delay:
-            return Decision(
-                current,
-                f"hold: {wanted} would do for {waited:.0f}s of {self.settings.scale_down_delay:.0f}s",
-            )
+        delay = self.settings.scale_down_delay
+        if waited < delay:
+            return Decision(current, f"hold: {wanted} would do for {waited:.0f}s of {delay:.0f}s")
         self._lower_since = None
         return Decision(wanted, f"scale down: {live} live runs need {wanted}")

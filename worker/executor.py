@@ -162,8 +162,17 @@ class RunExecutor:
         payload: Any,
         request_id: str | None = None,
         started: float | None = None,
+        tokens: tuple[int, int] = (0, 0),
     ) -> None:
-        await self.store.append_step(h.lease, seq, kind, payload, request_id=request_id)
+        await self.store.append_step(
+            h.lease,
+            seq,
+            kind,
+            payload,
+            request_id=request_id,
+            input_tokens=tokens[0],
+            output_tokens=tokens[1],
+        )
         self._committed(h)
         self.metrics.steps.labels(kind).inc()
         if started is not None:
@@ -235,7 +244,15 @@ class RunExecutor:
             self.metrics.model_seconds.observe(time.perf_counter() - started)
             self.metrics.tokens.labels("input").inc(turn.input_tokens)
             self.metrics.tokens.labels("output").inc(turn.output_tokens)
-            await self._append(h, seq, "model_turn", turn.payload, turn.request_id, started)
+            await self._append(
+                h,
+                seq,
+                "model_turn",
+                turn.payload,
+                turn.request_id,
+                started,
+                tokens=(turn.input_tokens, turn.output_tokens),
+            )
             crash_point("after_model_turn_commit", seq)
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})

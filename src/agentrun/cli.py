@@ -244,6 +244,49 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_operator(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import kopf
+
+    from agentrun.operator.handlers import build_registry
+    from agentrun.operator.settings import OperatorSettings, load_pools
+
+    setup_logging(args.log_format, args.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    settings = OperatorSettings.from_env(database_url())
+    overrides: dict[str, Any] = {}
+    if args.pools_file:
+        overrides["pools"] = load_pools(args.pools_file)
+    if args.namespace:
+        overrides["namespaces"] = args.namespace
+    if args.no_migrate:
+        overrides["migrate"] = False
+    if args.metrics_port is not None:
+        overrides["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
+    if args.health_port is not None:
+        overrides["health_port"] = None if args.health_port < 0 else args.health_port
+    settings = dataclasses.replace(settings, **overrides)
+    log = logging.getLogger("agentrun.operator")
+    log.info(
+        "operator: %s, pools %s, database %s",
+        f"namespaces {', '.join(settings.namespaces)}" if settings.namespaces else "all namespaces",
+        ", ".join(f"{p.pool}->{p.namespace}/{p.deployment}" for p in settings.pools) or "none",
+        redact_url(settings.database_url),
+    )
+    port = settings.health_port
+    liveness = f"http://0.0.0.0:{port}/healthz" if port is not None else None
+    # One replica, standalone (no kopf peering): see docs/operator.md for the trade-off.
+    await kopf.operator(
+        registry=build_registry(settings),
+        standalone=True,
+        clusterwide=not settings.namespaces,
+        namespaces=settings.namespaces,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
 async def cmd_demo(args: argparse.Namespace) -> int:
     from agentrun.demo import run_demo
 
@@ -332,6 +375,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("operator", help="the Kubernetes operator (kopf)")
+    s.add_argument(
+        "--namespace",
+        action="append",
+        help="watch this namespace (repeatable; default: $AGENTRUN_WATCH_NAMESPACES, else all)",
+    )
+    s.add_argument("--pools-file", help="worker pools to scale (default: $AGENTRUN_POOLS_FILE)")
+    s.add_argument(
+        "--no-migrate", action="store_true", help="do not run the migrations at start-up"
+    )
+    s.add_argument("--metrics-port", type=int, help="/metrics port (default 9090; -1: off)")
+    s.add_argument("--health-port", type=int, help="/healthz port (default 8080; -1: off)")
+    s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
+    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.set_defaults(func=cmd_operator)
 
     s = sub.add_parser("demo", help="the whole story on one machine: a run survives SIGKILL")
     s.add_argument("--model", help="use the real API with this model (needs ANTHROPIC_API_KEY)")

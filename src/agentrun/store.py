@@ -115,6 +115,8 @@ class Run:
     wait_reason: str | None = None
     pending_call: dict[str, Any] | None = None
     rollback_reason: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -250,7 +252,10 @@ class Store:
         max_size: int = 10,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         connect_timeout: float = 5.0,
+        pool_timeout: float = 30.0,
     ) -> Self:
+        """``pool_timeout``: how long a query waits for a pooled connection (through an outage)
+        before it fails; the operator keeps it short to report a database outage quickly."""
         await check_connect(url, connect_timeout)
         pool: AsyncConnectionPool = AsyncConnectionPool(
             url,
@@ -259,6 +264,7 @@ class Store:
             kwargs={"autocommit": True, "prepare_threshold": prepare_threshold()},
             open=False,
             name="agentrun",
+            timeout=pool_timeout,
             # A connection broken by a database restart is discarded when returned; the caller's
             # retry gets a fresh one. reconnect_timeout keeps the pool trying through an outage.
             reconnect_timeout=3600,
@@ -410,14 +416,24 @@ class Store:
         *,
         request_id: str | None = None,
         ttl: float | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
     ) -> datetime:
         """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
+        A model turn passes its token usage, summed on the run for ``kubectl get``.
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
         """
         params = self._fence_params(lease, ttl=ttl or self.lease_ttl)
-        params.update(seq=seq, kind=kind, payload=Jsonb(payload), request_id=request_id)
+        params.update(
+            seq=seq,
+            kind=kind,
+            payload=Jsonb(payload),
+            request_id=request_id,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+        )
         async with self.pool.connection() as conn:
             try:
                 cur = await conn.execute(queries["append_step"], params)
@@ -624,6 +640,43 @@ class Store:
             cur = conn.cursor(row_factory=class_row(PoolDepth))
             await cur.execute(queries["pool_depth"])
             return {d.pool: d for d in await cur.fetchall()}
+
+    # -- what the operator reads -----------------------------------------------------------------
+
+    async def get_run_by_k8s_uid(self, uid: str) -> Run | None:
+        return await self._one_run("get_run_by_k8s_uid", uid=uid)
+
+    async def k8s_runs(self, ids: Sequence[UUID]) -> list[Run]:
+        """The runs among ``ids`` that belong to AgentRun objects."""
+        return await self._runs("k8s_runs_by_id", ids=list(ids))
+
+    async def k8s_live_runs(self) -> list[Run]:
+        """Every unfinished run that belongs to an AgentRun object."""
+        return await self._runs("k8s_live_runs")
+
+    async def runs_by_status(self) -> dict[tuple[str, str], int]:
+        """(pool, status) -> number of runs, finished ones included."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["runs_by_status"])
+            return {(r[0], r[1]): int(r[2]) for r in await cur.fetchall()}
+
+    async def lease_holders(self, pool: str) -> dict[str, int]:
+        """worker id -> runs of ``pool`` it holds."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["lease_holders"], {"pool": pool})
+            return {r[0]: int(r[1]) for r in await cur.fetchall()}
+
+    async def _one_run(self, query: str, **params: Any) -> Run | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries[query], params)
+            return await cur.fetchone()
+
+    async def _runs(self, query: str, **params: Any) -> list[Run]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries[query], params)
+            return await cur.fetchall()
 
     # -- notifications -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import LiteralString
 
-_HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+_HEADER = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
 
 
 def _load_queries() -> dict[str, LiteralString]:

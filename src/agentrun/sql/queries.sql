@@ -76,8 +76,10 @@ RETURNING r.*;
 -- A duplicate (run_id, seq) still fails on the primary key.
 WITH fence AS (
     UPDATE agent_run
-       SET next_seq    = greatest(next_seq, %(seq)s + 1),
-           lease_until = now() + make_interval(secs => %(ttl)s)
+       SET next_seq      = greatest(next_seq, %(seq)s + 1),
+           lease_until   = now() + make_interval(secs => %(ttl)s),
+           input_tokens  = input_tokens + %(input_tokens)s,
+           output_tokens = output_tokens + %(output_tokens)s
      WHERE id = %(run_id)s
        AND lease_owner = %(worker)s
        AND lease_epoch = %(epoch)s
@@ -284,3 +286,26 @@ UPDATE agent_run
        pending_call = CASE WHEN status = 'waiting_approval' THEN NULL ELSE pending_call END
  WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
 RETURNING *;
+
+-- get_run_by_k8s_uid --
+SELECT * FROM agent_run WHERE external_key = 'k8s:' || %(uid)s::text;
+
+-- k8s_runs_by_id --
+-- The operator's status flush: the runs it was notified about, in one round trip.
+SELECT * FROM agent_run WHERE id = ANY(%(ids)s) AND k8s_uid IS NOT NULL;
+
+-- k8s_live_runs --
+-- The operator's resync (served by agent_run_k8s_live_idx).
+SELECT * FROM agent_run
+ WHERE k8s_uid IS NOT NULL AND status IN ('pending', 'running', 'waiting_approval');
+
+-- runs_by_status --
+-- For the operator's agentrun_runs gauge; read on a slow timer, it counts every run.
+SELECT pool, status, count(*) AS n FROM agent_run GROUP BY pool, status;
+
+-- lease_holders --
+-- Which workers hold how many runs of a pool: busy pods get a higher pod-deletion-cost.
+SELECT lease_owner AS worker, count(*) AS held
+  FROM agent_run
+ WHERE pool = %(pool)s AND status = 'running' AND lease_owner IS NOT NULL
+ GROUP BY lease_owner;

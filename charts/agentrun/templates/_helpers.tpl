@@ -1,0 +1,150 @@
+{{/* Names ------------------------------------------------------------------------------------ */}}
+
+{{- define "agentrun.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "agentrun.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "agentrun.operatorName" -}}
+{{- printf "%s-operator" (include "agentrun.fullname" .) -}}
+{{- end -}}
+
+{{- define "agentrun.workerSAName" -}}
+{{- printf "%s-worker" (include "agentrun.fullname" .) -}}
+{{- end -}}
+
+{{- define "agentrun.postgresqlName" -}}
+{{- printf "%s-postgresql" (include "agentrun.fullname" .) -}}
+{{- end -}}
+
+{{/* The Deployment of a pool; the operator finds it by this name in pools.yaml. */}}
+{{- define "agentrun.workerDeployment" -}}
+{{- $name := printf "%s-worker-%s" (include "agentrun.fullname" .root) .pool -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "worker Deployment name %q is longer than 63 characters: shorten the pool name or set fullnameOverride" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* Labels ----------------------------------------------------------------------------------- */}}
+
+{{- define "agentrun.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "agentrun.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "agentrun.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "agentrun.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: agentrun
+{{- end -}}
+
+{{/* Image ------------------------------------------------------------------------------------ */}}
+
+{{- define "agentrun.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Secrets: only ever references to existing Secrets (or the bundled server's own). -------- */}}
+
+{{- define "agentrun.databaseSecretName" -}}
+{{- if .Values.postgresql.enabled -}}
+{{- if .Values.database.existingSecret -}}
+{{- fail "set either postgresql.enabled or database.existingSecret, not both" -}}
+{{- end -}}
+{{- include "agentrun.postgresqlName" . -}}
+{{- else -}}
+{{- required "database.existingSecret is required: the name of a Secret holding the PostgreSQL URL" .Values.database.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "agentrun.databaseSecretKey" -}}
+{{- if .Values.postgresql.enabled -}}url{{- else -}}{{ .Values.database.secretKey }}{{- end -}}
+{{- end -}}
+
+{{- define "agentrun.databaseUrlEnv" -}}
+- name: AGENTRUN_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "agentrun.databaseSecretName" . }}
+      key: {{ include "agentrun.databaseSecretKey" . }}
+{{- end -}}
+
+{{/* Security contexts: non-root, read-only root, no capabilities, RuntimeDefault seccomp. ---- */}}
+
+{{- /* The image's user is 10001; the bundled PostgreSQL passes (dict "uid" 999), the postgres
+       image's own user. */ -}}
+{{- define "agentrun.podSecurityContext" -}}
+{{- $uid := default 10001 .uid -}}
+runAsNonRoot: true
+runAsUser: {{ $uid }}
+runAsGroup: {{ $uid }}
+fsGroup: {{ $uid }}
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "agentrun.containerSecurityContext" -}}
+{{- $uid := default 10001 .uid -}}
+runAsNonRoot: true
+runAsUser: {{ $uid }}
+runAsGroup: {{ $uid }}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* A pool's effective settings: workers.poolDefaults, then the pool's own keys (autoscaling merged
+     key by key). `set` rather than mergeOverwrite, which cannot override with false or 0. */}}
+{{- define "agentrun.pool" -}}
+{{- $pool := deepCopy .root.Values.workers.poolDefaults -}}
+{{- range $k, $v := .pool -}}
+{{- if ne $k "autoscaling" -}}
+{{- $_ := set $pool $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- $as := deepCopy (default dict $pool.autoscaling) -}}
+{{- range $k, $v := (default dict .pool.autoscaling) -}}
+{{- $_ := set $as $k $v -}}
+{{- end -}}
+{{- $_ := set $pool "autoscaling" $as -}}
+{{- if gt (int $as.minReplicas) (int $as.maxReplicas) -}}
+{{- fail (printf "workers.pools[%s].autoscaling: minReplicas (%v) must not exceed maxReplicas (%v)" $pool.name $as.minReplicas $as.maxReplicas) -}}
+{{- end -}}
+{{- $_ := set $pool "deployment" (include "agentrun.workerDeployment" (dict "root" .root "pool" $pool.name)) -}}
+{{- toYaml $pool -}}
+{{- end -}}
+
+{{/* Fail on two pools with one name (two Deployments would fight over one queue name). */}}
+{{- define "agentrun.checkPools" -}}
+{{- $seen := dict -}}
+{{- range .Values.workers.pools -}}
+{{- if hasKey $seen .name -}}
+{{- fail (printf "workers.pools: pool %q is listed twice" .name) -}}
+{{- end -}}
+{{- $_ := set $seen .name true -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,255 @@
+"""The operator's background machinery, started by kopf's startup handler.
+
+One connection pool and ONE listener connection for the whole cluster (not one per object):
+
+* connect to PostgreSQL, retrying with backoff, and run the migrations (advisory-locked, so
+  several replicas or a worker starting at the same time are safe) unless told not to;
+* listen: ``agentrun_run_changed`` marks runs dirty for the status mirror and, for finished runs,
+  feeds the steps/attempts histograms; ``agentrun_run_ready`` pokes the pool's autoscaler;
+* the status mirror's flush and resync loops, the autoscaler, and a slow metrics recount.
+
+A database outage is seen by whichever loop fails first: the operator logs it once, sets the
+``DatabaseAvailable=False`` condition on every unfinished AgentRun, keeps retrying with backoff,
+and when a query succeeds again clears the condition and resyncs everything (notifications sent
+during the outage were lost). No restart needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from agentrun.config import redact_url
+from agentrun.errors import DatabaseUnavailable
+from agentrun.migrations import migrate
+from agentrun.operator.autoscaler import Autoscaler
+from agentrun.operator.kube import KubeApi
+from agentrun.operator.metrics import OperatorMetrics
+from agentrun.operator.mirror import StatusMirror, Tracked
+from agentrun.operator.settings import OperatorSettings
+from agentrun.operator.status import Event
+from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, TERMINAL_STATUSES, Store
+
+log = logging.getLogger(__name__)
+
+#: Errors that mean "the database is not answering" (an outage: back off and retry), as opposed
+#: to a bug or a bad schema, which are logged with their traceback.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    DatabaseUnavailable,
+    OSError,
+)
+
+
+def backoff(attempt: int, cap: float = 30.0) -> float:
+    """Exponential with full jitter: 0.5, 1, 2, 4 ... up to ``cap`` seconds."""
+    return float(random.uniform(0.5, 1.0) * min(cap, 0.5 * 2 ** min(attempt, 10)))
+
+
+class OperatorApp:
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        kube: KubeApi,
+        metrics: OperatorMetrics,
+        post_event: Callable[[dict[str, Any], Event], None],
+    ) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.metrics = metrics
+        self._post_event = post_event
+        self.store: Store | None = None
+        self.db_up = False
+        #: The DatabaseAvailable condition last put on the objects (None: never).
+        self._reported: bool | None = None
+        self._connected = asyncio.Event()
+        self.mirror = StatusMirror(
+            kube,
+            metrics,
+            self._event,
+            max_patches_per_second=settings.max_patches_per_second,
+        )
+        self.autoscaler = Autoscaler(kube, settings.pools, metrics)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._outage_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._main(), name="agentrun-operator"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.store is not None:
+            await self.store.close()
+        self.kube.close()
+
+    async def ready_store(self, within: float = 2.0) -> Store | None:
+        """The store once connected (handlers wait a little, then retry later)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), within)
+        return self.store if self.db_up else None
+
+    async def _main(self) -> None:
+        store = await self._connect()
+        loops: list[tuple[str, Callable[[Store], Awaitable[None]]]] = [
+            ("listener", self._listen),
+            ("status-flush", self._flush_loop),
+            ("resync", self._resync_loop),
+            ("autoscaler", self._scale_loop),
+            ("metrics", self._metrics_loop),
+        ]
+        await asyncio.gather(*(self._forever(name, fn, store) for name, fn in loops))
+
+    async def _connect(self) -> Store:
+        s = self.settings
+        attempt = 0
+        while True:
+            try:
+                if s.migrate:
+                    # A plain connection: migrations are multi-statement scripts, which the pool's
+                    # prepared statements cannot carry. Advisory-locked: replicas wait their turn.
+                    conn = await psycopg.AsyncConnection.connect(
+                        s.database_url, autocommit=True, connect_timeout=int(s.db_timeout)
+                    )
+                    try:
+                        result = await migrate(conn)
+                    finally:
+                        await conn.close()
+                    if result.applied:
+                        log.info("migrated the schema to version %d", result.version)
+                store = await Store.open(s.database_url, max_size=8, pool_timeout=s.db_timeout)
+                break
+            except DB_ERRORS as exc:
+                self._failed(exc)
+                delay = backoff(attempt)
+                attempt += 1
+                log.warning("database %s: retrying in %.1fs", redact_url(s.database_url), delay)
+                await asyncio.sleep(delay)
+        self.store = store
+        self._ok()
+        self._connected.set()
+        log.info("connected to %s", redact_url(s.database_url))
+        return store
+
+    async def _forever(
+        self, name: str, fn: Callable[[Store], Awaitable[None]], store: Store
+    ) -> None:
+        """Run one loop; a database error is an outage (backoff, then again), not a crash."""
+        attempt = 0
+        while True:
+            try:
+                await fn(store)
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except DB_ERRORS as exc:
+                self._failed(exc)
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+            except Exception:
+                log.exception("%s loop failed; restarting it", name)
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+
+    # -- database health ----------------------------------------------------------------------
+
+    def _failed(self, exc: BaseException) -> None:
+        self.metrics.db_up.set(0)
+        if self.db_up or self._reported is None:
+            log.error("database unavailable: %s", " ".join(str(exc).split()) or type(exc).__name__)
+        self.db_up = False
+        if self._reported is not False:
+            self._reported = False
+            self._set_condition(False)
+
+    def _ok(self) -> None:
+        self.metrics.db_up.set(1)
+        if self.db_up:
+            return
+        self.db_up = True
+        log.info("database available")
+        if self._reported is False:
+            self._set_condition(True)
+        self._reported = True
+        self.autoscaler.poke()
+
+    def _set_condition(self, up: bool) -> None:
+        previous = self._outage_task
+        if previous is not None and not previous.done():
+            previous.cancel()
+        self._outage_task = asyncio.create_task(self.mirror.set_db_condition(up))
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def _listen(self, store: Store) -> None:
+        # Reconnecting means notifications may have been lost: resync at once.
+        await self.mirror.resync(store)
+        self._ok()
+        async for n in store.listen((CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY)):
+            self.metrics.notifications.inc()
+            if n.channel == CHANNEL_RUN_READY:
+                self.autoscaler.poke(n.payload)
+                continue
+            event = n.json()
+            self.mirror.notify(UUID(event["id"]))
+            if event.get("status") in TERMINAL_STATUSES:
+                pool = str(event.get("pool"))
+                self.metrics.run_steps.labels(pool).observe(int(event.get("step") or 0))
+                self.metrics.run_attempts.labels(pool).observe(int(event.get("attempt") or 0))
+                self.autoscaler.poke(pool)  # the scale-down clock starts now
+        raise psycopg.OperationalError("the notification connection closed")
+
+    async def _flush_loop(self, store: Store) -> None:
+        while True:
+            await self.mirror.wait(self.settings.flush_interval)
+            await self.mirror.flush(store)
+            self._ok()
+
+    async def _resync_loop(self, store: Store) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_interval)
+            await self.mirror.resync(store)
+            self._ok()
+
+    async def _scale_loop(self, store: Store) -> None:
+        if not self.autoscaler.scalers:
+            await asyncio.Event().wait()  # nothing to scale
+        tick = True
+        while True:
+            await self.autoscaler.check(store, tick=tick)
+            self._ok()
+            tick = not await self.autoscaler.wait(self.settings.scale_interval)
+
+    async def _metrics_loop(self, store: Store) -> None:
+        while True:
+            counts = await store.runs_by_status()
+            self.metrics.runs.clear()
+            for (pool, status), n in counts.items():
+                self.metrics.runs.labels(pool, status).set(n)
+            depth = await store.pool_depth()
+            now = datetime.now(UTC)
+            for pool, d in depth.items():
+                oldest = (now - d.oldest_pending).total_seconds() if d.oldest_pending else 0.0
+                self.metrics.oldest_pending.labels(pool).set(max(0.0, oldest))
+            self._ok()
+            await asyncio.sleep(self.settings.metrics_interval)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _event(self, t: Tracked, e: Event) -> None:
+        self.metrics.events.labels(e.reason).inc()
+        log.info("AgentRun %s/%s: %s: %s", t.namespace, t.name, e.reason, e.message,
+                 extra={"run_id": str(t.run_id)})
+        self._post_event(t.body(), e)

@@ -1,0 +1,132 @@
+"""Scale each worker pool's Deployment by its pending + running runs.
+
+Event-driven up: a new pending run's ``agentrun_run_ready`` notification pokes the pool's
+autoscaler, which reads the pool depth (one indexed query), reads the Deployment and patches its
+scale subresource at once, so a pool scaled to zero gets its first worker in well under the 2 s
+goal instead of a polling interval (KEDA's default is 30 s). Down only after the pool's
+scale-down delay (the decision is :mod:`agentrun.operator.scaling`). A timer re-checks every
+``scale_interval`` (the scale-down clock, missed notifications) and keeps the
+``controller.kubernetes.io/pod-deletion-cost`` of each worker pod equal to the runs it holds, so
+a scale-down removes idle pods first and a busy pod's runs are not handed over for nothing.
+
+Only pools listed in the pools file are touched; a Deployment annotated
+``agentrun.dev/autoscale: "false"`` is left alone too (a fixed count written by hand or by Helm
+wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+
+from agentrun.operator.kube import KubeApi, NotFound
+from agentrun.operator.metrics import OperatorMetrics
+from agentrun.operator.scaling import PoolScaling, Scaler
+from agentrun.store import PoolDepth, Store
+
+log = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+POOL_LABEL = "agentrun.dev/pool"
+OPT_OUT = "agentrun.dev/autoscale"
+
+
+class Autoscaler:
+    def __init__(self, kube: KubeApi, pools: list[PoolScaling], metrics: OperatorMetrics) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.scalers = {p.pool: Scaler(p) for p in pools}
+        self._poked: set[str] = set()
+        self._wake = asyncio.Event()
+        self._missing: set[str] = set()
+        #: (pool, monotonic time of the poke) -> when the scale patch went out; for the benchmark.
+        self.last_poke: dict[str, float] = {}
+
+    def poke(self, pool: str | None = None) -> None:
+        """Re-check ``pool`` now (all pools when None)."""
+        pools = self.scalers.keys() if pool is None else [pool] if pool in self.scalers else []
+        for p in pools:
+            self._poked.add(p)
+            self.last_poke.setdefault(p, time.monotonic())
+        if pools:
+            self._wake.set()
+
+    async def wait(self, interval: float) -> bool:
+        """Until poked (True) or the interval passes (False)."""
+        if self._poked:
+            return True
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), interval)
+            return True
+        except TimeoutError:
+            return False
+
+    async def check(self, store: Store, *, tick: bool) -> None:
+        pools = list(self.scalers) if tick else sorted(self._poked)
+        self._poked.clear()
+        if not pools:
+            return
+        depth = await store.pool_depth()
+        for pool in pools:
+            await self._scale(pool, depth.get(pool))
+            if tick:
+                await self._deletion_costs(store, pool)
+
+    async def _scale(self, pool: str, depth: PoolDepth | None) -> None:
+        scaler = self.scalers[pool]
+        s = scaler.settings
+        oldest = 0.0
+        if depth is not None and depth.oldest_pending is not None:
+            oldest = max(0.0, (datetime.now(UTC) - depth.oldest_pending).total_seconds())
+        self.metrics.oldest_pending.labels(pool).set(oldest)
+        try:
+            dep = await self.kube.get_deployment(s.namespace, s.deployment)
+        except NotFound:
+            if pool not in self._missing:
+                log.warning(
+                    "pool %s: Deployment %s/%s not found; not scaling it until it exists",
+                    pool, s.namespace, s.deployment,
+                )
+                self._missing.add(pool)
+            return
+        self._missing.discard(pool)
+        if dep.annotations.get(OPT_OUT, "").lower() == "false":
+            return
+        decision = scaler.decide(depth, dep.replicas, time.monotonic())
+        self.metrics.desired_replicas.labels(pool).set(scaler.demand(depth))
+        if decision.replicas == dep.replicas:
+            self.last_poke.pop(pool, None)
+            return
+        await self.kube.scale_deployment(s.namespace, s.deployment, decision.replicas)
+        direction = "up" if decision.replicas > dep.replicas else "down"
+        self.metrics.scaling_decisions.labels(pool, direction).inc()
+        poked = self.last_poke.pop(pool, None)
+        took = f" ({(time.monotonic() - poked) * 1000:.0f} ms after the trigger)" if poked else ""
+        log.info(
+            "pool %s: %s/%s %d -> %d replicas: %s%s",
+            pool, s.namespace, s.deployment, dep.replicas, decision.replicas, decision.reason,
+            took,
+        )
+
+    async def _deletion_costs(self, store: Store, pool: str) -> None:
+        s = self.scalers[pool].settings
+        if pool in self._missing:
+            return
+        pods = await self.kube.list_pods(s.namespace, {POOL_LABEL: pool})
+        if not pods:
+            return
+        holders = await store.lease_holders(pool)
+        for pod in pods:
+            # A worker's id is "<hostname>-<pid>-<random>" and a pod's hostname is its name.
+            held = sum(
+                n for w, n in holders.items() if w == pod.name or w.startswith(pod.name + "-")
+            )
+            want = str(held)
+            if pod.annotations.get(DELETION_COST) != want:
+                try:
+                    await self.kube.annotate_pod(s.namespace, pod.name, {DELETION_COST: want})
+                except NotFound:
+                    continue

@@ -1,0 +1,143 @@
+"""The few Kubernetes API calls the operator makes outside kopf's handlers.
+
+kopf owns the watches, the handler patches and the Events. The status mirror and the
+autoscaler run in background tasks, so they patch through the official client: each call in a
+thread (the client is synchronous), at most ``concurrency`` at once, each counted by verb for
+the benchmark and the ``agentrun_kube_api_calls_total`` metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from agentrun.operator.crds import GROUP, VERSION
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    namespace: str
+    replicas: int
+    annotations: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+class NotFound(Exception):
+    pass
+
+
+class KubeApi:
+    def __init__(
+        self,
+        api_client: kubernetes.client.ApiClient,
+        *,
+        concurrency: int = 8,
+        on_call: Callable[[str], None] | None = None,
+    ) -> None:
+        self.api_client = api_client
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.apps = kubernetes.client.AppsV1Api(api_client)
+        self.core = kubernetes.client.CoreV1Api(api_client)
+        self._limit = asyncio.Semaphore(concurrency)
+        self._on_call = on_call or (lambda verb: None)
+
+    @classmethod
+    def from_environment(cls, **kwargs: Any) -> KubeApi:
+        """In a pod: the service account. Elsewhere: $KUBECONFIG or ~/.kube/config."""
+        config = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=config)  # type: ignore[no-untyped-call]
+        return cls(kubernetes.client.ApiClient(config), **kwargs)
+
+    def close(self) -> None:
+        self.api_client.close()  # type: ignore[no-untyped-call]
+
+    async def _call(self, verb: str, fn: Callable[[], T]) -> T:
+        async with self._limit:
+            self._on_call(verb)
+            try:
+                return await asyncio.to_thread(fn)
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise NotFound(str(exc.reason)) from None
+                raise
+
+    async def patch_agentrun_status(
+        self, namespace: str, name: str, status: dict[str, Any]
+    ) -> None:
+        await self._call(
+            "patch_status",
+            lambda: self.custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                "agentruns",
+                name,
+                {"status": status},
+                _content_type=MERGE_PATCH,
+            ),
+        )
+
+    async def get_deployment(self, namespace: str, name: str) -> Deployment:
+        d: Any = await self._call(
+            "get_deployment", lambda: self.apps.read_namespaced_deployment(name, namespace)
+        )
+        return Deployment(
+            name=name,
+            namespace=namespace,
+            replicas=int(d.spec.replicas if d.spec.replicas is not None else 1),
+            annotations=dict(d.metadata.annotations or {}),
+        )
+
+    async def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        await self._call(
+            "patch_scale",
+            lambda: self.apps.patch_namespaced_deployment_scale(
+                name, namespace, {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH
+            ),
+        )
+
+    async def list_pods(self, namespace: str, labels: dict[str, str]) -> list[Pod]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        result: Any = await self._call(
+            "list_pods",
+            lambda: self.core.list_namespaced_pod(namespace, label_selector=selector),
+        )
+        pods = []
+        for p in result.items:
+            pod_labels = dict(p.metadata.labels or {})
+            # Filter here too: a selector is a request, and the test emulator ignores it.
+            if all(pod_labels.get(k) == v for k, v in labels.items()):
+                pods.append(Pod(p.metadata.name, pod_labels, dict(p.metadata.annotations or {})))
+        return pods
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        await self._call(
+            "patch_pod",
+            lambda: self.core.patch_namespaced_pod(
+                name,
+                namespace,
+                {"metadata": {"annotations": annotations}},
+                _content_type=MERGE_PATCH,
+            ),
+        )

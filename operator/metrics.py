@@ -1,0 +1,55 @@
+"""The operator's Prometheus metrics (served on AGENTRUN_METRICS_PORT at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.runs = Gauge(
+            "agentrun_runs", "Runs by status and pool (recounted on a timer)",
+            ["pool", "status"], registry=r,
+        )
+        self.oldest_pending = Gauge(
+            "agentrun_oldest_pending_seconds",
+            "Age of the oldest pending run per pool (0: none pending); alert when it grows",
+            ["pool"], registry=r,
+        )
+        self.run_steps = Histogram(
+            "agentrun_run_steps", "Steps of finished runs", ["pool"], registry=r,
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
+        )
+        self.run_attempts = Histogram(
+            "agentrun_run_attempts", "Claims of finished runs (1: never resumed)", ["pool"],
+            registry=r, buckets=(1, 2, 3, 4, 5, 6, 8, 10, 20, 50),
+        )
+        self.scaling_decisions = Counter(
+            "agentrun_scaling_decisions", "Deployment scale patches", ["pool", "direction"],
+            registry=r,
+        )
+        self.desired_replicas = Gauge(
+            "agentrun_pool_desired_replicas", "Replicas the autoscaler wants per pool", ["pool"],
+            registry=r,
+        )
+        self.status_patches = Counter(
+            "agentrun_status_patches", "AgentRun .status patches sent", registry=r
+        )
+        self.kube_calls = Counter(
+            "agentrun_kube_api_calls", "Kubernetes API calls made outside kopf", ["verb"],
+            registry=r,
+        )
+        self.events = Counter(
+            "agentrun_events", "Kubernetes Events posted", ["reason"], registry=r
+        )
+        self.db_up = Gauge(
+            "agentrun_operator_db_up", "1 while the operator reaches PostgreSQL", registry=r
+        )
+        self.notifications = Counter(
+            "agentrun_operator_notifications", "Run notifications received", registry=r
+        )
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)

@@ -1,0 +1,219 @@
+"""Run progress -> AgentRun ``.status``: driven by notifications, coalesced, rate limited.
+
+No per-object polling (it must stay cheap at 10,000 runs):
+
+* ``agentrun_run_changed`` notifications (status, claim, holder) mark a run dirty; every
+  ``flush_interval`` the dirty runs are read in ONE query and the objects whose status changed are
+  patched. Ten notifications for one run inside a window cost one read and one patch.
+* Step counts and token usage are not notified (a NOTIFY per step halves the store's throughput,
+  see docs/store.md), so a resync every ``resync_interval`` reads all live runs of AgentRun
+  objects (one query, a partial index) and patches only what changed. It also repairs anything a
+  dropped listener connection missed.
+* Every patch takes a token from one bucket (``max_patches_per_second``): a burst of 10,000 runs
+  finishing together is spread out rather than thrown at the API server. Notified changes go
+  before resync changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from agentrun.operator.kube import KubeApi, NotFound
+from agentrun.operator.metrics import OperatorMetrics
+from agentrun.operator.status import (
+    Cond,
+    Event,
+    Snapshot,
+    same_status,
+    set_condition,
+    status_for,
+    transitions,
+)
+from agentrun.store import TERMINAL_STATUSES, Run, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tracked:
+    """An AgentRun object the operator knows, and what its status shows."""
+
+    namespace: str
+    name: str
+    uid: str
+    status: dict[str, Any] | None = None
+    snapshot: Snapshot | None = None
+    #: False for an object first met through the store: its history is unknown, so the first
+    #: change seen posts no Event (an operator restart must not repeat "Claimed" for every run).
+    known: bool = True
+
+    @property
+    def run_id(self) -> UUID | None:
+        rid = (self.status or {}).get("runId")
+        return UUID(rid) if rid else None
+
+    @property
+    def live(self) -> bool:
+        return (self.status or {}).get("phase") not in TERMINAL_STATUSES
+
+    def body(self) -> dict[str, Any]:
+        """Enough of the object for kopf.event() to reference it."""
+        return {
+            "apiVersion": "agentrun.dev/v1alpha1",
+            "kind": "AgentRun",
+            "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid},
+        }
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.capacity = burst if burst is not None else max(1.0, rate)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+
+    async def take(self) -> None:
+        while True:
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens >= 1:
+                self.tokens -= 1
+                return
+            await asyncio.sleep((1 - self.tokens) / self.rate)
+
+
+class StatusMirror:
+    def __init__(
+        self,
+        kube: KubeApi,
+        metrics: OperatorMetrics,
+        post_event: Callable[[Tracked, Event], None],
+        *,
+        max_patches_per_second: float,
+    ) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.post_event = post_event
+        self.objects: dict[str, Tracked] = {}
+        self.db_up = True
+        self._dirty: set[UUID] = set()
+        self._stale: dict[UUID, Run] = {}
+        self._wake = asyncio.Event()
+        self._bucket = TokenBucket(max_patches_per_second)
+
+    # -- what handlers and the listener call ----------------------------------------------------
+
+    def track(self, namespace: str, name: str, uid: str, status: dict[str, Any] | None) -> None:
+        t = self.objects.get(uid)
+        if t is None:
+            t = Tracked(namespace, name, uid, dict(status or {}), Snapshot.from_status(status))
+            self.objects[uid] = t
+        elif status and not t.status:
+            t.status = dict(status)
+        if t.run_id is not None:
+            self.notify(t.run_id)
+
+    def forget(self, uid: str) -> None:
+        self.objects.pop(uid, None)
+
+    def notify(self, run_id: UUID) -> None:
+        self._dirty.add(run_id)
+        self._wake.set()
+
+    def pending(self) -> int:
+        return len(self._dirty) + len(self._stale)
+
+    # -- the loops ----------------------------------------------------------------------------
+
+    async def wait(self, flush_interval: float) -> None:
+        """Until there is something to flush; then one more window to gather more of it."""
+        if not self._dirty and not self._stale:
+            self._wake.clear()
+            await self._wake.wait()
+        await asyncio.sleep(flush_interval)
+
+    async def flush(self, store: Store) -> None:
+        """Patch what changed: notified runs first, then what the resync found stale."""
+        while self._dirty:
+            ids, self._dirty = self._dirty, set()
+            for run in await store.k8s_runs(sorted(ids)):
+                self._stale.pop(run.id, None)
+                await self.apply(run)
+        while self._stale and not self._dirty:
+            _, run = next(iter(self._stale.items()))
+            del self._stale[run.id]
+            await self.apply(run)
+
+    async def resync(self, store: Store) -> None:
+        """Read every live run of an AgentRun object; queue the ones whose status is behind."""
+        runs = await store.k8s_live_runs()
+        seen: set[UUID] = set()
+        for run in runs:
+            seen.add(run.id)
+            t = self.objects.get(run.k8s_uid or "")
+            previous = t.status if t else None
+            if not same_status(previous, status_for(run, db_up=True, previous=previous)):
+                self._stale[run.id] = run
+        # A live object whose run is no longer live finished while a notification was lost.
+        for t in list(self.objects.values()):
+            rid = t.run_id
+            if rid is not None and t.live and rid not in seen:
+                self._dirty.add(rid)
+        if self._dirty or self._stale:
+            self._wake.set()
+
+    async def apply(self, run: Run) -> None:
+        uid = run.k8s_uid or ""
+        t = self.objects.get(uid)
+        if t is None:
+            if not (run.k8s_namespace and run.k8s_name):
+                return
+            t = Tracked(run.k8s_namespace, run.k8s_name, uid, known=False)
+            self.objects[uid] = t
+        new = status_for(run, db_up=self.db_up, previous=t.status)
+        events = transitions(t.snapshot, run) if t.known else []
+        if not same_status(t.status, new):
+            if not await self._patch(t, new):
+                return
+            t.status = new
+        t.snapshot = Snapshot.of(run)
+        t.known = True
+        for e in events:
+            self.post_event(t, e)
+
+    async def set_db_condition(self, up: bool) -> None:
+        """A database outage (or its end) is a condition on every unfinished object."""
+        self.db_up = up
+        cond = Cond(
+            "DatabaseAvailable",
+            up,
+            "Connected" if up else "DatabaseUnavailable",
+            "" if up else "the operator cannot reach PostgreSQL; retrying with backoff",
+        )
+        for t in list(self.objects.values()):
+            if not t.live:
+                continue
+            conditions = set_condition((t.status or {}).get("conditions"), cond)
+            if await self._patch(t, {"conditions": conditions}):
+                t.status = {**(t.status or {}), "conditions": conditions}
+            if up and t.run_id is not None:
+                self._dirty.add(t.run_id)
+        self._wake.set()
+
+    async def _patch(self, t: Tracked, status: dict[str, Any]) -> bool:
+        await self._bucket.take()
+        try:
+            await self.kube.patch_agentrun_status(t.namespace, t.name, status)
+        except NotFound:
+            log.info("AgentRun %s/%s is gone; no longer mirrored", t.namespace, t.name)
+            self.forget(t.uid)
+            return False
+        self.metrics.status_patches.inc()
+        return True

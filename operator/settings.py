@@ -1,0 +1,130 @@
+"""The operator's settings: environment (``AGENTRUN_*``) and the pools file the Helm chart mounts.
+
+The pools file lists the worker pools the operator scales (pools with a fixed replica count are
+not listed, so the operator never touches them)::
+
+    pools:
+    - name: default                 # the pool runs are queued in
+      namespace: agentrun           # where its worker Deployment lives
+      deployment: agentrun-worker-default
+      runsPerWorker: 4
+      minReplicas: 0
+      maxReplicas: 10
+      scaleDownDelaySeconds: 300
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrun.config import env_float, env_int
+from agentrun.errors import ConfigError
+from agentrun.operator.scaling import PoolScaling
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1)
+    namespace: str = Field("default", min_length=1)
+    deployment: str = Field(min_length=1)
+    runs_per_worker: int = Field(4, alias="runsPerWorker", ge=1)
+    min_replicas: int = Field(0, alias="minReplicas", ge=0)
+    max_replicas: int = Field(10, alias="maxReplicas", ge=0)
+    scale_down_delay: float = Field(300.0, alias="scaleDownDelaySeconds", ge=0)
+
+
+class PoolsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pools: list[PoolConfig] = Field(default_factory=list)
+
+
+def load_pools(path: str | Path) -> list[PoolScaling]:
+    """Read the pools file; every error names the file and the field."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        parsed = PoolsFile.model_validate(raw)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the pools file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except ValidationError as exc:
+        where = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"{path}: {where}") from None
+    pools = []
+    seen: set[str] = set()
+    for p in parsed.pools:
+        if p.name in seen:
+            raise ConfigError(f"{path}: pool {p.name!r} is listed twice")
+        seen.add(p.name)
+        try:
+            pools.append(
+                PoolScaling(
+                    pool=p.name,
+                    deployment=p.deployment,
+                    namespace=p.namespace,
+                    runs_per_worker=p.runs_per_worker,
+                    min_replicas=p.min_replicas,
+                    max_replicas=p.max_replicas,
+                    scale_down_delay=p.scale_down_delay,
+                )
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return pools
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    database_url: str
+    pools: list[PoolScaling] = field(default_factory=list)
+    #: Namespaces to watch; empty: all (cluster-wide).
+    namespaces: list[str] = field(default_factory=list)
+    migrate: bool = True
+    #: How often every live run is re-read (step counts are not notified per step).
+    resync_interval: float = 10.0
+    #: How long notifications are gathered before the status patches go out (coalescing).
+    flush_interval: float = 0.2
+    #: Status patches per second at most, over all objects (protects the API server).
+    max_patches_per_second: float = 50.0
+    #: Scaling re-check interval (a new pending run scales at once, by notification).
+    scale_interval: float = 5.0
+    #: How often the run counts behind agentrun_runs are recounted.
+    metrics_interval: float = 30.0
+    metrics_port: int | None = 9090
+    health_port: int | None = 8080
+    db_timeout: float = 5.0
+
+    @classmethod
+    def from_env(cls, database_url: str) -> OperatorSettings:
+        pools_file = os.environ.get("AGENTRUN_POOLS_FILE", "")
+        migrate = os.environ.get("AGENTRUN_MIGRATE", "true").strip().lower()
+        if migrate not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"AGENTRUN_MIGRATE must be true or false, not {migrate!r}")
+        return cls(
+            database_url=database_url,
+            pools=load_pools(pools_file) if pools_file else [],
+            namespaces=[
+                n.strip()
+                for n in os.environ.get("AGENTRUN_WATCH_NAMESPACES", "").split(",")
+                if n.strip()
+            ],
+            migrate=migrate in ("true", "1", "yes"),
+            resync_interval=env_float("AGENTRUN_RESYNC_INTERVAL", 10.0),
+            flush_interval=env_float("AGENTRUN_STATUS_FLUSH_INTERVAL", 0.2),
+            max_patches_per_second=env_float("AGENTRUN_MAX_PATCHES_PER_SECOND", 50.0),
+            scale_interval=env_float("AGENTRUN_SCALE_INTERVAL", 5.0),
+            metrics_interval=env_float("AGENTRUN_METRICS_INTERVAL", 30.0),
+            metrics_port=_port(env_int("AGENTRUN_METRICS_PORT", 9090)),
+            health_port=_port(env_int("AGENTRUN_HEALTH_PORT", 8080)),
+        )
+
+
+def _port(value: int) -> int | None:
+    return None if value < 0 else value

