@@ -22,7 +22,6 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -61,12 +60,10 @@ class OperatorApp:
         settings: OperatorSettings,
         kube: KubeApi,
         metrics: OperatorMetrics,
-        post_event: Callable[[dict[str, Any], Event], None],
     ) -> None:
         self.settings = settings
         self.kube = kube
         self.metrics = metrics
-        self._post_event = post_event
         self.store: Store | None = None
         self.db_up = False
         #: The DatabaseAvailable condition last put on the objects (None: never).
@@ -248,8 +245,12 @@ class OperatorApp:
 
     # -- events -------------------------------------------------------------------------------
 
-    def _event(self, t: Tracked, e: Event) -> None:
+    async def _event(self, t: Tracked, e: Event) -> None:
         self.metrics.events.labels(e.reason).inc()
         log.info("AgentRun %s/%s: %s: %s", t.namespace, t.name, e.reason, e.message,
                  extra={"run_id": str(t.run_id)})
-        self._post_event(t.body(), e)
+        try:
+            await self.kube.post_event(t.body(), e.type, e.reason, e.message)
+        except Exception as exc:  # an Event is informative: never worth failing a flush for
+            log.warning("AgentRun %s/%s: could not post the %s event: %s",
+                        t.namespace, t.name, e.reason, exc, extra={"run_id": str(t.run_id)})

@@ -41,6 +41,7 @@ class Autoscaler:
         self._poked: set[str] = set()
         self._wake = asyncio.Event()
         self._missing: set[str] = set()
+        self._opted_out: set[str] = set()
         #: (pool, monotonic time of the poke) -> when the scale patch went out; for the benchmark.
         self.last_poke: dict[str, float] = {}
 
@@ -94,7 +95,12 @@ class Autoscaler:
             return
         self._missing.discard(pool)
         if dep.annotations.get(OPT_OUT, "").lower() == "false":
+            if pool not in self._opted_out:
+                log.info("pool %s: %s/%s is annotated %s=false; not scaling it",
+                         pool, s.namespace, s.deployment, OPT_OUT)
+            self._opted_out.add(pool)
             return
+        self._opted_out.discard(pool)
         decision = scaler.decide(depth, dep.replicas, time.monotonic())
         self.metrics.desired_replicas.labels(pool).set(scaler.demand(depth))
         if decision.replicas == dep.replicas:
@@ -113,7 +119,7 @@ class Autoscaler:
 
     async def _deletion_costs(self, store: Store, pool: str) -> None:
         s = self.scalers[pool].settings
-        if pool in self._missing:
+        if pool in self._missing or pool in self._opted_out:
             return
         pods = await self.kube.list_pods(s.namespace, {POOL_LABEL: pool})
         if not pods:

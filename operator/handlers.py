@@ -4,8 +4,8 @@
   namespace, from an in-memory kopf index, or an inline agent) and the run created in the store,
   idempotently on the object's uid (a handler that runs twice, e.g. after the operator died
   between the insert and kopf's own bookkeeping, finds the same row). An unknown Agent is a
-  condition (Accepted=False, AgentNotFound) and a retry every 15 s, so creating the Agent later
-  is enough.
+  condition (Accepted=False, AgentNotFound) and a retry every 15 s (by default), so creating the
+  Agent later is enough.
 * resume (operator start): the object is tracked by the status mirror again.
 * annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>"``,
   ``agentrun.dev/reject: "<seq>"``: acted on in the store, then removed (consumed), with an
@@ -19,7 +19,7 @@ Status mirroring, scaling and metrics are background loops (:mod:`agentrun.opera
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import kopf
 from pydantic import ValidationError
@@ -32,7 +32,7 @@ from agentrun.operator.crds import GROUP, VERSION
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
-from agentrun.operator.status import Cond, Event, set_condition, status_for
+from agentrun.operator.status import Cond, set_condition, status_for
 from agentrun.store import K8sRef, Store
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,6 @@ APPROVE = "agentrun.dev/approve"
 REJECT = "agentrun.dev/reject"
 ACTIONS = (CANCEL, APPROVE, REJECT)
 FINALIZER = "agentrun.dev/finalizer"
-AGENT_RETRY_DELAY = 15.0
 DB_RETRY_DELAY = 5.0
 
 
@@ -66,9 +65,6 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
 
     def app() -> OperatorApp:
         return state["app"]
-
-    def post(body: dict[str, Any], e: Event) -> None:
-        kopf.event(cast(kopf.Body, body), type=e.type, reason=e.reason, message=e.message)
 
     async def store_or_retry(patch: kopf.Patch, status: dict[str, Any]) -> Store:
         store = await app().ready_store()
@@ -104,7 +100,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
         if config.metrics_port is not None:
             metrics.serve(config.metrics_port)
         kube = KubeApi.from_environment(on_call=lambda verb: metrics.kube_calls.labels(verb).inc())
-        state["app"] = OperatorApp(config, kube, metrics, post)
+        state["app"] = OperatorApp(config, kube, metrics)
         await state["app"].start()
 
 
@@ -142,14 +138,14 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                     why = (
                         f"spec.agent.name: no Agent {run_spec.agent.name!r} in namespace "
                         f"{namespace}; create it (kubectl apply -f agent.yaml) and the run "
-                        f"starts within {AGENT_RETRY_DELAY:.0f}s"
+                        f"starts within {config.agent_retry_delay:.0f}s"
                     )
                     patch.status["message"] = f"Agent {run_spec.agent.name} not found"
                     patch.status["conditions"] = set_condition(
                         current.get("conditions"), Cond("Accepted", False, "AgentNotFound", why)
                     )
                     kopf.warn(body, reason="AgentNotFound", message=why)
-                    raise kopf.TemporaryError(why, delay=AGENT_RETRY_DELAY)
+                    raise kopf.TemporaryError(why, delay=config.agent_retry_delay)
                 agent = AgentSpec.model_validate(found[0])
             else:
                 agent = run_spec.agent

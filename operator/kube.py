@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import kubernetes
@@ -96,6 +98,42 @@ class KubeApi:
                 {"status": status},
                 _content_type=MERGE_PATCH,
             ),
+        )
+
+    async def post_event(
+        self, involved: dict[str, Any], type: str, reason: str, message: str
+    ) -> None:
+        """A core/v1 Event about ``involved`` (apiVersion, kind, metadata name/namespace/uid).
+
+        The status mirror's Events come from background tasks, outside kopf's handler context
+        where ``kopf.event()`` works, so they are posted here."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body: Any = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                "namespace": meta["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": involved["apiVersion"],
+                "kind": involved["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "agentrun-operator"},
+            "reportingComponent": "agentrun-operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await self._call(
+            "post_event", lambda: self.core.create_namespaced_event(meta["namespace"], body)
         )
 
     async def get_deployment(self, namespace: str, name: str) -> Deployment:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -94,7 +94,7 @@ class StatusMirror:
         self,
         kube: KubeApi,
         metrics: OperatorMetrics,
-        post_event: Callable[[Tracked, Event], None],
+        post_event: Callable[[Tracked, Event], Awaitable[None]],
         *,
         max_patches_per_second: float,
     ) -> None:
@@ -186,7 +186,7 @@ class StatusMirror:
         t.snapshot = Snapshot.of(run)
         t.known = True
         for e in events:
-            self.post_event(t, e)
+            await self.post_event(t, e)
 
     async def set_db_condition(self, up: bool) -> None:
         """A database outage (or its end) is a condition on every unfinished object."""

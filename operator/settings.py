@@ -100,6 +100,8 @@ class OperatorSettings:
     metrics_port: int | None = 9090
     health_port: int | None = 8080
     db_timeout: float = 5.0
+    #: How often an AgentRun whose Agent does not exist yet is retried.
+    agent_retry_delay: float = 15.0
 
     @classmethod
     def from_env(cls, database_url: str) -> OperatorSettings:
@@ -123,6 +125,7 @@ class OperatorSettings:
             metrics_interval=env_float("AGENTRUN_METRICS_INTERVAL", 30.0),
             metrics_port=_port(env_int("AGENTRUN_METRICS_PORT", 9090)),
             health_port=_port(env_int("AGENTRUN_HEALTH_PORT", 8080)),
+            agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
         )
 
 

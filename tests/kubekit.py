@@ -4,8 +4,9 @@ served from its own thread; plus a client to drive it and the ``agentrun operato
 kmock 0.8 differs from a real API server in four ways that matter to kopf (see
 shared/notes/kopf-kmock.md); :class:`Emulator` fills them in: the namespace of a created object
 comes from the URL, every object gets a uid, creationTimestamp, generation and a resourceVersion
-that changes on every write, a failed JSON-patch ``test`` answers 422 (not 500, which kopf would
-retry forever), and a create answers 201.
+that changes on every write (and a list's resourceVersion that a watch resumes from, without the
+stale replay or the lost write of stock kmock), ``generateName`` is honoured, a failed JSON-patch
+``test`` answers 422 (not 500, which kopf would retry forever), and a create answers 201.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 meta = request.data.setdefault("metadata", {})
                 if request.namespace and not meta.get("namespace"):
                     meta["namespace"] = request.namespace
+                if not meta.get("name") and meta.get("generateName"):  # kopf's own Events
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault(
                     "creationTimestamp",
@@ -308,8 +311,13 @@ class OperatorProc:
             return str(r.read().decode())
 
     def metric(self, name: str, **labels: str) -> float | None:
+        """A sample's value (None: absent, or the operator not serving yet)."""
+        try:
+            text = self.metrics()
+        except OSError:
+            return None
         want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in self.metrics().splitlines():
+        for line in text.splitlines():
             if line.startswith("#"):
                 continue
             key, _, value = line.rpartition(" ")
