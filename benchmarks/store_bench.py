@@ -1,6 +1,6 @@
 """Store benchmark: the store's fenced append and claim next to hand-written raw psycopg.
 
-    python benchmarks/store_bench.py [--steps 2000] [--runs 2000] [--admin-url URL]
+    python benchmarks/store_bench.py [--steps 2000] [--runs 1000] [--admin-url URL] [--json FILE]
 
 It creates a throwaway database on the server (AGENTRUN_TEST_ADMIN_URL, else the machine's own
 127.0.0.1:5432, else the embedded one), migrates it, measures, prints a table and drops it.
@@ -11,6 +11,12 @@ Baselines, run in the same process on the same database:
     cost of the store's Python layer; the goal is <= 1.3x.
   * raw-4stmt: the textbook transaction BEGIN; UPDATE agent_run; INSERT agent_step; COMMIT, for
     scale: what the single-statement fence saves.
+
+It also counts the transactions an append costs: the ``xact_commit`` + ``xact_rollback`` delta of
+the benchmark database in ``pg_stat_database`` over a few hundred appends (read from another
+database, so the reading is not counted). Goal: one.
+
+Importable: :func:`store_bench` returns a dict with the rows and the headline figures.
 """
 
 from __future__ import annotations
@@ -23,11 +29,15 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb
-from throwaway_db import throwaway_database  # beside this file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throwaway_db import throwaway_database
 
 from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
@@ -135,6 +145,8 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
                             "kind": "model_turn",
                             "payload": Jsonb(PAYLOAD),
                             "request_id": "req",
+                            "input_tokens": 0,
+                            "output_tokens": 0,
                         },
                     )
                     assert await cur.fetchone() is not None
@@ -237,6 +249,68 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
     return results
 
 
+async def transactions_per_append(url: str, appends: int = 300) -> float:
+    """Transactions the database commits per ``Store.append_step`` (see the module docstring)."""
+    params = conninfo_to_dict(url)
+    dbname = params["dbname"]
+    other = make_conninfo(**{**params, "dbname": "postgres"})  # type: ignore[arg-type]
+
+    async def xacts() -> int:
+        async with await psycopg.AsyncConnection.connect(other, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                (dbname,),
+            )
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async with await Store.open(url, max_size=1) as setup:
+        await setup.create_run("bench", AGENT, pool="xacts")
+        ((_, lease),) = (await setup.claim("xacts", "bench", limit=1, ttl=600)).claimed
+    # A backend flushes its statistics when it exits (when idle, only every 10 s or so): every
+    # connection to the database is closed before each reading. What opening the store costs
+    # (a connection check) is counted against the appends: a few in a few hundred.
+    await asyncio.sleep(0.5)
+    before = await xacts()
+    async with await Store.open(url, min_size=1, max_size=1) as store:
+        for seq in range(appends):
+            await store.append_step(lease, seq, "model_turn", PAYLOAD, request_id="req")
+    await asyncio.sleep(0.5)
+    after = await xacts()
+    return (after - before) / appends
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline figures of :func:`bench`'s rows."""
+
+    def row(bench: str, variant: str) -> dict[str, Any]:
+        return next(r for r in rows if r["bench"] == bench and r["variant"] == variant)
+
+    claim = "claim, 1 claimer, 1 run per claim"
+    out: dict[str, Any] = {}
+    for writers, bench in ((1, "append, 1 writer"), (16, "append, 16 writers")):
+        store, raw, raw4 = row(bench, "store"), row(bench, "raw-1stmt"), row(bench, "raw-4stmt")
+        out[f"append_{writers}_store_p50_ms"] = store["p50_ms"]
+        out[f"append_{writers}_store_per_s"] = store["per_s"]
+        out[f"append_{writers}_raw_p50_ms"] = raw["p50_ms"]
+        out[f"append_{writers}_raw_per_s"] = raw["per_s"]
+        out[f"append_{writers}_ratio"] = store["ratio_rate_vs_raw"]
+        out[f"append_{writers}_raw4_ratio"] = raw4["ratio_rate_vs_raw"]
+    out["claims_per_s"] = row(claim, "store")["per_s"]
+    out["raw_claims_per_s"] = row(claim, "raw-1stmt")["per_s"]
+    out["claim_ratio"] = row(claim, "store")["ratio_rate_vs_raw"]
+    return out
+
+
+async def store_bench(url: str, steps: int = 2000, runs: int = 1000) -> dict[str, Any]:
+    """Every store figure: the rows of :func:`bench`, their summary, transactions per append."""
+    rows = await bench(url, steps, runs)
+    out = summarize(rows)
+    out["transactions_per_append"] = await transactions_per_append(url)
+    out.update(rows=rows, steps=steps, runs=runs)
+    return out
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print(
         f"{'benchmark':36} {'variant':10} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9} "
@@ -265,8 +339,9 @@ def main() -> int:
             f"store benchmark: PostgreSQL {server_version[0] if server_version else '?'}, "
             f"{os.cpu_count()} cores, python {sys.version.split()[0]}"
         )
-        results = asyncio.run(bench(url, args.steps, args.runs))
-        print_table(results)
+        results = asyncio.run(store_bench(url, args.steps, args.runs))
+        print_table(results["rows"])
+        print(f"transactions per append: {results['transactions_per_append']:.2f} (goal: 1)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -42,6 +42,8 @@ class Autoscaler:
         self._wake = asyncio.Event()
         self._missing: set[str] = set()
         self._opted_out: set[str] = set()
+        #: Each pool's replica count as last read or set.
+        self._replicas: dict[str, int] = {}
         #: (pool, monotonic time of the poke) -> when the scale patch went out; for the benchmark.
         self.last_poke: dict[str, float] = {}
 
@@ -72,17 +74,24 @@ class Autoscaler:
             return
         depth = await store.pool_depth()
         for pool in pools:
-            await self._scale(pool, depth.get(pool))
+            await self._scale(pool, depth.get(pool), fresh=tick)
             if tick:
                 await self._deletion_costs(store, pool)
 
-    async def _scale(self, pool: str, depth: PoolDepth | None) -> None:
+    async def _scale(self, pool: str, depth: PoolDepth | None, *, fresh: bool) -> None:
         scaler = self.scalers[pool]
         s = scaler.settings
         oldest = 0.0
         if depth is not None and depth.oldest_pending is not None:
             oldest = max(0.0, (datetime.now(UTC) - depth.oldest_pending).total_seconds())
         self.metrics.oldest_pending.labels(pool).set(oldest)
+        known = self._replicas.get(pool)
+        if not fresh and known is not None and scaler.demand(depth) == known:
+            # A notification that changes nothing costs no API call: the Deployment is read on
+            # the timer, and before any patch.
+            scaler.decide(depth, known, time.monotonic())
+            self.last_poke.pop(pool, None)
+            return
         try:
             dep = await self.kube.get_deployment(s.namespace, s.deployment)
         except NotFound:
@@ -94,6 +103,7 @@ class Autoscaler:
                 self._missing.add(pool)
             return
         self._missing.discard(pool)
+        self._replicas[pool] = dep.replicas
         if dep.annotations.get(OPT_OUT, "").lower() == "false":
             if pool not in self._opted_out:
                 log.info("pool %s: %s/%s is annotated %s=false; not scaling it",
@@ -107,6 +117,7 @@ class Autoscaler:
             self.last_poke.pop(pool, None)
             return
         await self.kube.scale_deployment(s.namespace, s.deployment, decision.replicas)
+        self._replicas[pool] = decision.replicas
         direction = "up" if decision.replicas > dep.replicas else "down"
         self.metrics.scaling_decisions.labels(pool, direction).inc()
         poked = self.last_poke.pop(pool, None)

@@ -1,42 +1,80 @@
 """The seeded chaos soak (small in the default run, large behind the slow marker), and proof that
-its checker fails when a duplicate or a lost step is planted."""
+its checker fails when a duplicate or a lost step is planted.
+
+The soaks restart PostgreSQL, so they run on a server of their own (benchmarks/own_pg.py), never
+the machine's shared one; the server is stopped by its pid when the test ends, however it ends.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from own_pg import OwnPostgres
 from soak import Report, check, ledger_schema, soak
 
+from agentrun.migrations import migrate
 
-async def _soak(database_url: str, runs: int, seconds: float) -> Report:
-    # The database comes migrated (from the test template).
+
+@pytest.fixture
+def own_postgres() -> Iterator[OwnPostgres]:
+    with OwnPostgres(settings={"max_connections": "200"}) as pg:
+        with psycopg.connect(pg.url(), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE agentrun_soak")
+
+        async def _migrate() -> None:
+            async with await psycopg.AsyncConnection.connect(
+                pg.url("agentrun_soak"), autocommit=True
+            ) as conn:
+                await migrate(conn)
+
+        asyncio.run(_migrate())
+        yield pg
+
+
+async def _soak(pg: OwnPostgres, runs: int, seconds: float, pg_restarts: int) -> Report:
     logdir = Path(tempfile.mkdtemp(prefix="agentrun-soak-"))
-    # Slow turns and few slots per worker, so the kills land in the middle of runs.
+    # Slow turns and few slots per worker, so the kills and the outages land in the middle of runs.
     return await soak(
-        database_url, runs, seconds, seed=11, logdir=logdir, delay_ms=400, concurrency=2
+        pg.url("agentrun_soak"),
+        runs,
+        seconds,
+        seed=11,
+        logdir=logdir,
+        delay_ms=400,
+        concurrency=2,
+        pg=pg,
+        pg_restarts=pg_restarts,
     )
 
 
-async def test_small_seeded_soak_loses_nothing_and_repeats_nothing(database_url: str) -> None:
-    report = await _soak(database_url, runs=8, seconds=20)
+async def test_small_seeded_soak_with_postgres_restarts_loses_nothing_and_repeats_nothing(
+    own_postgres: OwnPostgres,
+) -> None:
+    report = await _soak(own_postgres, runs=8, seconds=20, pg_restarts=2)
     print(report)
     assert report.kills + report.terms >= 3
-    assert report.runs == report.succeeded == 8
+    assert report.pg_restarts == own_postgres.restarts == 2
+    assert report.runs == report.succeeded == 8  # every run finished through the outages
+    assert report.worker_crashes == 0  # the workers rode the outages out
     assert report.ok, report.problems
     assert report.steps == 8 * 17
 
 
 @pytest.mark.slow
-async def test_large_seeded_soak(database_url: str) -> None:
-    report = await _soak(database_url, runs=200, seconds=600)
+@pytest.mark.timeout(1800)
+async def test_large_seeded_soak(own_postgres: OwnPostgres) -> None:
+    report = await _soak(own_postgres, runs=200, seconds=600, pg_restarts=5)
     print(report)
+    assert report.pg_restarts == 5
     assert report.ok, report.problems
 
 

