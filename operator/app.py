@@ -28,7 +28,7 @@ import psycopg
 
 from agentrun.config import redact_url
 from agentrun.errors import DatabaseUnavailable
-from agentrun.migrations import migrate
+from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.operator.autoscaler import Autoscaler
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
@@ -114,7 +114,9 @@ class OperatorApp:
         attempt = 0
         while True:
             try:
-                if s.migrate:
+                if not s.migrate:
+                    await self._require_schema()
+                else:
                     # A plain connection: migrations are multi-statement scripts, which the pool's
                     # prepared statements cannot carry. Advisory-locked: replicas wait their turn.
                     conn = await psycopg.AsyncConnection.connect(
@@ -139,6 +141,22 @@ class OperatorApp:
         self._connected.set()
         log.info("connected to %s", redact_url(s.database_url))
         return store
+
+    async def _require_schema(self) -> None:
+        """Told not to migrate: wait (with backoff) until someone has, saying what to do."""
+        s = self.settings
+        conn = await psycopg.AsyncConnection.connect(
+            s.database_url, autocommit=True, connect_timeout=int(s.db_timeout)
+        )
+        try:
+            have = await schema_version(conn)
+        finally:
+            await conn.close()
+        if have < latest_version():
+            raise DatabaseUnavailable(
+                f"the schema is at version {have}, this operator needs {latest_version()}: run "
+                "`agentrun migrate` (or start the operator without --no-migrate)"
+            )
 
     async def _forever(
         self, name: str, fn: Callable[[Store], Awaitable[None]], store: Store
@@ -211,8 +229,8 @@ class OperatorApp:
     async def _flush_loop(self, store: Store) -> None:
         while True:
             await self.mirror.wait(self.settings.flush_interval)
-            await self.mirror.flush(store)
-            self._ok()
+            if await self.mirror.flush(store):  # only a query that answered says the db is up
+                self._ok()
 
     async def _resync_loop(self, store: Store) -> None:
         while True:
@@ -225,8 +243,8 @@ class OperatorApp:
             await asyncio.Event().wait()  # nothing to scale
         tick = True
         while True:
-            await self.autoscaler.check(store, tick=tick)
-            self._ok()
+            if await self.autoscaler.check(store, tick=tick):
+                self._ok()
             tick = not await self.autoscaler.wait(self.settings.scale_interval)
 
     async def _metrics_loop(self, store: Store) -> None:

@@ -67,16 +67,18 @@ class Autoscaler:
         except TimeoutError:
             return False
 
-    async def check(self, store: Store, *, tick: bool) -> None:
+    async def check(self, store: Store, *, tick: bool) -> bool:
+        """Scale the poked pools (all of them on a tick). Returns whether the db was read."""
         pools = list(self.scalers) if tick else sorted(self._poked)
         self._poked.clear()
         if not pools:
-            return
+            return False
         depth = await store.pool_depth()
         for pool in pools:
             await self._scale(pool, depth.get(pool), fresh=tick)
             if tick:
                 await self._deletion_costs(store, pool)
+        return True
 
     async def _scale(self, pool: str, depth: PoolDepth | None, *, fresh: bool) -> None:
         scaler = self.scalers[pool]

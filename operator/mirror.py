@@ -139,8 +139,10 @@ class StatusMirror:
             await self._wake.wait()
         await asyncio.sleep(flush_interval)
 
-    async def flush(self, store: Store) -> None:
-        """Patch what changed: notified runs first, then what the resync found stale."""
+    async def flush(self, store: Store) -> bool:
+        """Patch what changed: notified runs first, then what the resync found stale.
+        Returns whether the database was read."""
+        read = bool(self._dirty)
         while self._dirty:
             ids, self._dirty = self._dirty, set()
             for run in await store.k8s_runs(sorted(ids)):
@@ -150,6 +152,7 @@ class StatusMirror:
             _, run = next(iter(self._stale.items()))
             del self._stale[run.id]
             await self.apply(run)
+        return read
 
     async def resync(self, store: Store) -> None:
         """Read every live run of an AgentRun object; queue the ones whose status is behind."""

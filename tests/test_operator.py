@@ -12,7 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+import yaml
+from conftest import run_cli
 from kubekit import (
     KubeCluster,
     Operators,
@@ -24,7 +27,10 @@ from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from workerkit import FakeFactory, Workers, echo_scenario, wait_run
 
+from agentrun.migrations import latest_version, schema_version
 from agentrun.store import Run, Store
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -292,7 +298,7 @@ async def test_database_outage_is_a_condition_and_the_operator_recovers_without_
             lambda: (c := condition(cluster, "steady", "DatabaseAvailable")) and
             c["status"] == "False" and c, 20, "the DatabaseAvailable=False condition")
         assert cond["reason"] == "DatabaseUnavailable"
-        assert op.metric("agentrun_operator_db_up") == 0
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 0, 10, "db_up 0")
         # The run moves on meanwhile (workers reach the database; the operator does not).
         [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
         await store.finish(lease, "succeeded", result="done while the operator was blind")
@@ -300,7 +306,9 @@ async def test_database_outage_is_a_condition_and_the_operator_recovers_without_
         proxy.restore()
         await eventually(lambda: status(cluster, "steady").get("phase") == "succeeded", 30,
                          "the run's end mirrored after the outage")
-        assert (condition(cluster, "steady", "DatabaseAvailable") or {}).get("status") == "True"
+        await eventually(
+            lambda: (condition(cluster, "steady", "DatabaseAvailable") or {}).get("status")
+            == "True", 10, "DatabaseAvailable=True")
         assert op.metric("agentrun_operator_db_up") == 1
         assert op.popen.poll() is None  # no restart
         assert run.id
@@ -399,3 +407,41 @@ async def test_busy_worker_pods_get_a_higher_deletion_cost_and_helm_counts_win(
     await asyncio.sleep(1.5)
     assert replicas(cluster, "pinned") == 4  # agentrun.dev/autoscale: "false" wins
     assert replicas(cluster) == 2  # 2 running runs / 2 per worker = 1, but held by the delay
+
+
+async def test_the_same_yaml_runs_through_kubectl_apply_and_agentrun_submit(
+    cluster: KubeCluster, operators: Operators, store: Store, database_url: str
+) -> None:
+    # Local parity: examples/migrate-orders.yaml, applied to the cluster and submitted with
+    # `agentrun submit -f` (no cluster), pins the same run.
+    example = ROOT / "examples" / "migrate-orders.yaml"
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    operators.start()
+    cluster.apply_agent(docs[0])
+    cluster.apply_agentrun(docs[1])
+    applied = await run_of(store, cluster, "migrate-orders")
+    out = run_cli("submit", "-f", str(example), env={"AGENTRUN_DATABASE_URL": database_url})
+    assert out.returncode == 0, out.stderr
+    submitted = await store.get_run(out.stdout.strip())
+    assert submitted.id != applied.id
+    for field in ("task", "model", "agent_spec", "pool", "max_steps", "max_attempts"):
+        assert getattr(submitted, field) == getattr(applied, field), field
+
+
+async def test_operator_migrates_at_startup_unless_told_not_to(
+    cluster: KubeCluster, tmp_path: Path, empty_database_url: str
+) -> None:
+    ops = Operators(cluster, empty_database_url, tmp_path)
+    try:
+        told_not_to = ops.start(extra=["--no-migrate"])
+        await eventually(
+            lambda: "run `agentrun migrate`" in told_not_to.output(), 30, "the advice to migrate"
+        )
+        assert told_not_to.metric("agentrun_operator_db_up") == 0
+        told_not_to.stop()
+        op = ops.start()
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 1, 30, "migrated")
+        async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+            assert await schema_version(conn) == latest_version()
+    finally:
+        ops.stop_all()
