@@ -114,20 +114,7 @@ class OperatorApp:
         attempt = 0
         while True:
             try:
-                if not s.migrate:
-                    await self._require_schema()
-                else:
-                    # A plain connection: migrations are multi-statement scripts, which the pool's
-                    # prepared statements cannot carry. Advisory-locked: replicas wait their turn.
-                    conn = await psycopg.AsyncConnection.connect(
-                        s.database_url, autocommit=True, connect_timeout=int(s.db_timeout)
-                    )
-                    try:
-                        result = await migrate(conn)
-                    finally:
-                        await conn.close()
-                    if result.applied:
-                        log.info("migrated the schema to version %d", result.version)
+                await self._schema()
                 store = await Store.open(s.database_url, max_size=8, pool_timeout=s.db_timeout)
                 break
             except DB_ERRORS as exc:
@@ -142,16 +129,20 @@ class OperatorApp:
         log.info("connected to %s", redact_url(s.database_url))
         return store
 
-    async def _require_schema(self) -> None:
-        """Told not to migrate: wait (with backoff) until someone has, saying what to do."""
+    async def _schema(self) -> None:
+        """Migrate (advisory-locked: replicas wait their turn) or, told not to, check that
+        someone has, saying what to do. On a plain connection: migrations are multi-statement
+        scripts, which the pool's prepared statements cannot carry."""
         s = self.settings
-        conn = await psycopg.AsyncConnection.connect(
+        async with await psycopg.AsyncConnection.connect(
             s.database_url, autocommit=True, connect_timeout=int(s.db_timeout)
-        )
-        try:
+        ) as conn:
+            if s.migrate:
+                result = await migrate(conn)
+                if result.applied:
+                    log.info("migrated the schema to version %d", result.version)
+                return
             have = await schema_version(conn)
-        finally:
-            await conn.close()
         if have < latest_version():
             raise DatabaseUnavailable(
                 f"the schema is at version {have}, this operator needs {latest_version()}: run "
