@@ -197,9 +197,12 @@ async def test_approve_and_reject_annotations_unblock_a_waiting_run(
     for name in ("approve-me", "reject-me"):
         cluster.apply_agentrun(agentrun_manifest(name))
     runs = {name: await run_of(store, cluster, name) for name in ("approve-me", "reject-me")}
-    for name, run in runs.items():
-        [(_, lease)] = (await store.claim("default", f"w-{name}", ttl=30)).claimed
-        assert lease.run_id == run.id
+    # The operator creates the two runs in whichever order kopf handles the objects: claim both,
+    # then match each lease to its object.
+    leases = {lease.run_id: lease for _, lease in (
+        await store.claim("default", "w", limit=2, ttl=30)).claimed}
+    for run in runs.values():
+        lease = leases[run.id]
         call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
                 "stage": "before_call"}
         await store.wait_for_approval(lease, "approval required before drop_table (step 0)", call)
