@@ -238,7 +238,7 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
                 f"{old.worker} stopped renewing its lease; resumed by {new.worker} at step "
                 f"{run.next_seq} (attempt {run.attempt})",
             ))
-        elif run.attempt > 1 or (old is not None and old.attempt >= 1) or run.next_seq > 0:
+        elif run.lease_epoch > 1:  # every claim bumps the epoch; a release keeps the attempt
             out.append(Event(
                 "Normal", "Resumed", f"resumed by {new.worker} at step {run.next_seq}"
                 f" (attempt {run.attempt})",

@@ -169,7 +169,8 @@ async def test_a_real_worker_runs_an_applied_agentrun_to_its_result(
     assert s["tokens"]["input"] > 0 and s["tokens"]["output"] > 0
     assert s["promptVersion"] == (await store.get_run(run.id)).prompt_version
     await eventually(lambda: "Finished" in cluster.reasons("real"), 10, "Finished event")
-    assert cluster.reasons("real") == ["Created", "Claimed", "Finished"]
+    # Claimed may be coalesced away when the run finished within one flush window.
+    assert cluster.reasons("real") in (["Created", "Claimed", "Finished"], ["Created", "Finished"])
     w.popen.terminate()
     assert w.wait() == 0
 

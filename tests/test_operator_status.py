@@ -1,0 +1,73 @@
+"""The operator's status and Events as pure functions of the run row (no cluster needed)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from agentrun.operator.status import Snapshot, status_for, transitions
+from agentrun.store import Run
+
+
+def run(**fields: Any) -> Run:
+    now = datetime.now(UTC)
+    base: dict[str, Any] = dict(
+        id=uuid.uuid4(), external_key="k8s:u", k8s_namespace="default", k8s_name="r",
+        k8s_uid="u", pool="default", status="pending", task="t", model="m", agent_spec={},
+        prompt_version=None, max_steps=50, max_attempts=8, lease_owner=None, lease_until=None,
+        lease_epoch=0, attempt=0, next_seq=0, result=None, error=None, created_at=now,
+        updated_at=now, started_at=None, finished_at=None,
+    )
+    base.update(fields)
+    return Run(**base)
+
+
+def reasons(old: Snapshot | None, new: Run) -> list[tuple[str, str]]:
+    return [(e.type, e.reason) for e in transitions(old, new)]
+
+
+def test_a_first_claim_seen_late_is_claimed_not_resumed() -> None:
+    # Coalescing: the mirror may first see the run several steps in.
+    late = run(status="running", lease_owner="w1", lease_epoch=1, attempt=1, next_seq=4)
+    assert reasons(Snapshot("pending", 0, None, 0), late) == [("Normal", "Claimed")]
+
+
+def test_a_hand_over_is_a_normal_resume_and_a_lease_expiry_a_warning() -> None:
+    handed = run(status="running", lease_owner="w2", lease_epoch=2, attempt=1, next_seq=3)
+    assert reasons(Snapshot("pending", 1, None, 1), handed) == [("Normal", "Resumed")]
+    expired = run(status="running", lease_owner="w2", lease_epoch=2, attempt=2, next_seq=3)
+    assert reasons(Snapshot("running", 1, "w1", 1), expired) == [("Warning", "Resumed")]
+
+
+def test_an_operator_restart_repeats_no_event() -> None:
+    current = run(status="running", lease_owner="w1", lease_epoch=3, attempt=2, next_seq=9)
+    shown = status_for(current, db_up=True, previous=None)
+    assert reasons(Snapshot.from_status(shown), current) == []
+
+
+def test_terminal_transitions_and_the_approval_wait() -> None:
+    waiting = run(status="waiting_approval", lease_epoch=1, attempt=1, next_seq=2,
+                  wait_reason="approval required before drop_table (step 1)",
+                  pending_call={"seq": 1, "tool": "drop_table", "input": {"t": "x"}})
+    [(kind, reason)] = reasons(Snapshot("running", 1, "w1", 1), waiting)
+    assert (kind, reason) == ("Warning", "WaitingForApproval")
+    message = transitions(Snapshot("running", 1, "w1", 1), waiting)[0].message
+    assert "kubectl annotate agentrun r agentrun.dev/approve=1" in message
+    for status, expected in (("succeeded", "Finished"), ("failed", "Failed"),
+                             ("cancelled", "Cancelled"), ("dead_letter", "DeadLettered")):
+        ended = run(status=status, lease_epoch=1, attempt=1, next_seq=2)
+        assert reasons(Snapshot("running", 1, "w1", 1), ended)[-1][1] == expected
+
+
+def test_status_is_stable_and_truncates_long_text() -> None:
+    done = run(status="succeeded", result="x" * 5000, lease_epoch=1, attempt=1, next_seq=3,
+               input_tokens=10, output_tokens=2)
+    first = status_for(done, db_up=True, previous=None)
+    again = status_for(done, db_up=True, previous=first)
+    assert first == again  # condition timestamps carried over: nothing to patch
+    assert len(first["result"]) == 1024 and first["tokens"] == {"input": 10, "output": 2}
+    assert [c["type"] for c in first["conditions"]] == [
+        "Accepted", "WaitingForApproval", "Completed", "DatabaseAvailable"]
+    down = status_for(done, db_up=False, previous=first)
+    assert down["conditions"][3]["status"] == "False"
