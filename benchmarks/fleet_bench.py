@@ -24,25 +24,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import yaml
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from own_pg import OwnPostgres
-from throwaway_db import _migrate, throwaway_database
+from throwaway_db import db_url, fresh_database, throwaway_database
 from worker_bench import (
     AGENT,
     Progress,
@@ -62,29 +59,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {"turns": 5, "min_runs": 6, "per_slot": 2, "idle_s": 30, "held": 100},
     "large": {"turns": 10, "min_runs": 16, "per_slot": 4, "idle_s": 120, "held": 100},
 }
-
-
-def _db_url(url: str, dbname: str) -> str:
-    return make_conninfo(**{**conninfo_to_dict(url), "dbname": dbname})  # type: ignore[arg-type]
-
-
-@contextlib.contextmanager
-def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
-    """A new, migrated database on the server of ``server_url``; dropped afterwards. Call it
-    outside a running event loop (it migrates with asyncio.run)."""
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    admin = _db_url(server_url, "postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = _db_url(server_url, name)
-    try:
-        asyncio.run(_migrate(url))
-        yield url
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def _env(url: str, base_url: str) -> dict[str, str]:
@@ -230,7 +204,7 @@ async def idle_load(url: str, seconds: float, settle: float = 11.0) -> dict[str,
     """Queries per minute that the database of ``url`` receives over ``seconds``, by every client
     but this function (which reads from the ``postgres`` database). See the module docstring."""
     dbname = str(conninfo_to_dict(url)["dbname"])
-    admin = _db_url(url, "postgres")
+    admin = db_url(url, "postgres")
     statements = await asyncio.to_thread(_has_pg_stat_statements, admin)
     # Idle backends flush pending statistics every 10 s or so: the start-up is then counted.
     await asyncio.sleep(settle)

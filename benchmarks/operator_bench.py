@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +84,24 @@ def api_calls(cluster: KubeCluster, since: int) -> Counter[str]:
     )
 
 
-def start(cluster: KubeCluster, url: str, tmp: Path, **env: str) -> tuple[Operators, Any]:
-    ops = Operators(cluster, url, tmp)
-    op = ops.start(
-        pools=[POOL], env={"AGENTRUN_RESYNC_INTERVAL": "10", "AGENTRUN_SCALE_INTERVAL": "5", **env}
-    )
-    wait(lambda: op.metric("agentrun_operator_db_up") == 1, 60, "operator ready", 0.05)
-    return ops, op
+@contextlib.contextmanager
+def operator_on_emulator(
+    prefix: str, admin_url: str | None, **env: str
+) -> Iterator[tuple[KubeCluster, str, Any]]:
+    """A throwaway database, the emulator with a worker Deployment at 0 replicas, and a ready
+    ``agentrun operator`` scaling it; all stopped (by pid) and dropped afterwards."""
+    with throwaway_database(prefix, admin_url) as url, tempfile.TemporaryDirectory() as d:
+        cluster = KubeCluster().start()
+        ops = Operators(cluster, url, Path(d))
+        try:
+            cluster.create_deployment("workers", replicas=0)
+            op = ops.start(pools=[POOL], env={
+                "AGENTRUN_RESYNC_INTERVAL": "10", "AGENTRUN_SCALE_INTERVAL": "5", **env})
+            wait(lambda: op.metric("agentrun_operator_db_up") == 1, 60, "operator ready", 0.05)
+            yield cluster, url, op
+        finally:
+            ops.stop_all()
+            cluster.stop()
 
 
 async def _scale_trials(url: str, cluster: KubeCluster, trials: int) -> dict[str, Any]:
@@ -128,17 +141,8 @@ async def _scale_trials(url: str, cluster: KubeCluster, trials: int) -> dict[str
 
 def scale_from_zero(preset: str = "small", admin_url: str | None = None) -> dict[str, Any]:
     trials = 5 if preset == "small" else 20
-    with throwaway_database("opbench", admin_url) as url, tempfile.TemporaryDirectory() as d:
-        cluster = KubeCluster().start()
-        ops = None
-        try:
-            cluster.create_deployment("workers", replicas=0)
-            ops, _ = start(cluster, url, Path(d))
-            return asyncio.run(_scale_trials(url, cluster, trials))
-        finally:
-            if ops is not None:
-                ops.stop_all()
-            cluster.stop()
+    with operator_on_emulator("opbench", admin_url) as (cluster, url, _):
+        return asyncio.run(_scale_trials(url, cluster, trials))
 
 
 async def _progress(url: str, n: int, steps: int) -> None:
@@ -177,98 +181,73 @@ async def _progress(url: str, n: int, steps: int) -> None:
 
 
 def many_runs(n: int = 1000, admin_url: str | None = None, steps: int = 5) -> dict[str, Any]:
-    with throwaway_database("opbench", admin_url) as url, tempfile.TemporaryDirectory() as d:
-        cluster = KubeCluster().start()
-        ops = None
-        try:
-            cluster.create_deployment("workers", replicas=0)
-            ops, op = start(cluster, url, Path(d))
-            pid = op.popen.pid
-            cluster.apply_agent(agent_manifest())
-            cpu0, t0 = cpu_seconds(pid), time.monotonic()
-            assert cluster.emulator is not None
-            calls0 = len(cluster.emulator.calls)
-            for i in range(n):
-                cluster.apply_agentrun(agentrun_manifest(f"r{i:05d}"))
-            print(f"  applied {n} AgentRuns", flush=True)
+    with operator_on_emulator("opbench", admin_url) as (cluster, url, op):
+        pid = op.popen.pid
+        cluster.apply_agent(agent_manifest())
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        assert cluster.emulator is not None
+        calls0 = len(cluster.emulator.calls)
+        for i in range(n):
+            cluster.apply_agentrun(agentrun_manifest(f"r{i:05d}"))
+        print(f"  applied {n} AgentRuns", flush=True)
 
-            def created() -> bool:
-                with psycopg.connect(url) as c:
-                    row = c.execute("SELECT count(*) FROM agent_run").fetchone()
-                return bool(row and row[0] >= n)
+        def created() -> bool:
+            with psycopg.connect(url) as c:
+                row = c.execute("SELECT count(*) FROM agent_run").fetchone()
+            return bool(row and row[0] >= n)
 
-            wait(created, 600, "runs created", 0.2)
-            created_at = time.monotonic()
-            print(f"  {n} runs created by the operator in {created_at - t0:.1f} s", flush=True)
-            asyncio.run(_progress(url, n, steps))
-            print(f"  {n} runs x {steps} steps committed and finished", flush=True)
+        wait(created, 600, "runs created", 0.2)
+        created_at = time.monotonic()
+        print(f"  {n} runs created by the operator in {created_at - t0:.1f} s", flush=True)
+        asyncio.run(_progress(url, n, steps))
+        print(f"  {n} runs x {steps} steps committed and finished", flush=True)
 
-            def mirrored() -> bool:
-                return all(
-                    ((cluster.agentrun(f"r{i:05d}") or {}).get("status") or {}).get("phase")
-                    == "succeeded"
-                    for i in range(0, n, max(1, n // 50))
-                )
+        def mirrored() -> bool:
+            return all(
+                ((cluster.agentrun(f"r{i:05d}") or {}).get("status") or {}).get("phase")
+                == "succeeded"
+                for i in range(0, n, max(1, n // 50))
+            )
 
-            wait(mirrored, 600, "statuses mirrored", 0.5)
-            wait(lambda: replicas(cluster) == 0, 60, "scaled back to zero", 0.2)
-            elapsed = time.monotonic() - t0
-            cpu = cpu_seconds(pid) - cpu0
-            by = api_calls(cluster, calls0)
-            total = sum(by.values())
-            return {
-                "runs": n,
-                "steps_per_run": steps,
-                "elapsed_s": elapsed,
-                "operator_cpu_s": cpu,
-                "operator_cpu_ms_per_run": cpu / n * 1000,
-                "api_calls_by_operator": total,
-                "api_calls_per_run": total / n,
-                "api_calls_breakdown": dict(by.most_common(12)),
-                "status_patches": op.metric("agentrun_status_patches_total"),
-            }
-        finally:
-            if ops is not None:
-                ops.stop_all()
-            cluster.stop()
+        wait(mirrored, 600, "statuses mirrored", 0.5)
+        wait(lambda: replicas(cluster) == 0, 60, "scaled back to zero", 0.2)
+        elapsed = time.monotonic() - t0
+        cpu = cpu_seconds(pid) - cpu0
+        by = api_calls(cluster, calls0)
+        total = sum(by.values())
+        return {
+            "runs": n,
+            "steps_per_run": steps,
+            "elapsed_s": elapsed,
+            "operator_cpu_s": cpu,
+            "operator_cpu_ms_per_run": cpu / n * 1000,
+            "api_calls_by_operator": total,
+            "api_calls_per_run": total / n,
+            "api_calls_breakdown": dict(by.most_common(12)),
+            "status_patches": op.metric("agentrun_status_patches_total"),
+        }
 
 
 def idle_queries(url: str | None = None, seconds: float = 30.0) -> dict[str, Any]:
     """Transactions per minute an idle operator commits on its (otherwise unused) database."""
-    with throwaway_database("opidle", url) as db, tempfile.TemporaryDirectory() as d:
-        cluster = KubeCluster().start()
-        ops = None
-        try:
-            cluster.create_deployment("workers", replicas=0)
-            ops, _ = start(
-                cluster,
-                db,
-                Path(d),
-                AGENTRUN_RESYNC_INTERVAL="10",
-                AGENTRUN_SCALE_INTERVAL="5",
-                AGENTRUN_METRICS_INTERVAL="30",
-            )
-            time.sleep(2)
-            name = psycopg.conninfo.conninfo_to_dict(db)["dbname"]
+    with operator_on_emulator("opidle", url, AGENTRUN_METRICS_INTERVAL="30") as (_, db, _op):
+        time.sleep(2)
+        name = psycopg.conninfo.conninfo_to_dict(db)["dbname"]
 
-            def commits() -> int:
-                with psycopg.connect(db, autocommit=True) as c:
-                    c.execute("SELECT pg_stat_clear_snapshot()")
-                    row = c.execute(
-                        "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (name,)
-                    ).fetchone()
-                return int(row[0]) if row else 0
+        def commits() -> int:
+            with psycopg.connect(db, autocommit=True) as c:
+                c.execute("SELECT pg_stat_clear_snapshot()")
+                row = c.execute(
+                    "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (name,)
+                ).fetchone()
+            return int(row[0]) if row else 0
 
-            before = commits()
-            time.sleep(seconds)
-            after = commits()
-            # Our own two probes commit one transaction each.
-            per_min = max(0, after - before - 1) / seconds * 60
-            return {"operator_idle_xact_per_min": per_min, "seconds": seconds}
-        finally:
-            if ops is not None:
-                ops.stop_all()
-            cluster.stop()
+        before = commits()
+        time.sleep(seconds)
+        after = commits()
+        # Our own two probes commit one transaction each.
+        per_min = max(0, after - before - 1) / seconds * 60
+        return {"operator_idle_xact_per_min": per_min, "seconds": seconds}
 
 
 def main() -> int:

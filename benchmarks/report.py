@@ -208,7 +208,7 @@ def run_all(
     import fleet_bench
     import store_bench
     import worker_bench
-    from throwaway_db import pick_admin_url, throwaway_database
+    from throwaway_db import fresh_database, pick_admin_url, throwaway_database
 
     p = PRESETS[preset]
     res: dict[str, Any] = {"preset": preset}
@@ -279,7 +279,7 @@ def run_all(
             res["own_server"] = pg.version()
             if "idle" in only:
                 with section(res, errors, "idle", log):
-                    with fleet_bench.fresh_database(pg.url(), "agentrun_idle") as url:
+                    with fresh_database(pg.url(), "agentrun_idle") as url:
                         res["idle"] = asyncio.run(
                             fleet_bench.idle_worker_load(url, p["idle_s"], log)
                         )
@@ -288,7 +288,7 @@ def run_all(
                     res["operator"] = run_operator(pg.url(), preset, p["idle_s"], log)
             if "memory" in only:
                 with section(res, errors, "memory", log):
-                    with fleet_bench.fresh_database(pg.url(), "agentrun_mem") as url:
+                    with fresh_database(pg.url(), "agentrun_mem") as url:
                         res["memory"] = asyncio.run(fleet_bench.memory(url, p["held"], log))
         finally:
             pg.close()  # by pid, whatever happened

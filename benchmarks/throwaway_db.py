@@ -46,14 +46,20 @@ async def _migrate(url: str) -> None:
         await migrate(conn)
 
 
+def db_url(url: str, dbname: str) -> str:
+    """``url`` with another database name."""
+    return make_conninfo(**{**conninfo_to_dict(url), "dbname": dbname})  # type: ignore[arg-type]
+
+
 @contextlib.contextmanager
-def throwaway_database(prefix: str, admin_url: str | None = None) -> Iterator[str]:
-    """Yield the URL of a new, migrated database; drop it (and any embedded server) after."""
-    admin, server = pick_admin_url(admin_url)
+def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
+    """A new, migrated database on the server of ``server_url``; dropped afterwards. Call it
+    outside a running event loop (it migrates with asyncio.run)."""
     name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = db_url(server_url, "postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_conninfo(**{**conninfo_to_dict(admin), "dbname": name})  # type: ignore[arg-type]
+    url = db_url(server_url, name)
     try:
         asyncio.run(_migrate(url))
         yield url
@@ -62,5 +68,15 @@ def throwaway_database(prefix: str, admin_url: str | None = None) -> Iterator[st
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+@contextlib.contextmanager
+def throwaway_database(prefix: str, admin_url: str | None = None) -> Iterator[str]:
+    """Yield the URL of a new, migrated database; drop it (and any embedded server) after."""
+    admin, server = pick_admin_url(admin_url)
+    try:
+        with fresh_database(admin, prefix) as url:
+            yield url
+    finally:
         if server is not None:
             server.cleanup()

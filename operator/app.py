@@ -21,7 +21,6 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from uuid import UUID
 
 import psycopg
@@ -244,11 +243,7 @@ class OperatorApp:
             self.metrics.runs.clear()
             for (pool, status), n in counts.items():
                 self.metrics.runs.labels(pool, status).set(n)
-            depth = await store.pool_depth()
-            now = datetime.now(UTC)
-            for pool, d in depth.items():
-                oldest = (now - d.oldest_pending).total_seconds() if d.oldest_pending else 0.0
-                self.metrics.oldest_pending.labels(pool).set(max(0.0, oldest))
+            self.metrics.observe_depths(await store.pool_depth())
             self._ok()
             await asyncio.sleep(self.settings.metrics_interval)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
 
 from agentrun.operator.kube import KubeApi, NotFound
 from agentrun.operator.metrics import OperatorMetrics
@@ -83,10 +82,7 @@ class Autoscaler:
     async def _scale(self, pool: str, depth: PoolDepth | None, *, fresh: bool) -> None:
         scaler = self.scalers[pool]
         s = scaler.settings
-        oldest = 0.0
-        if depth is not None and depth.oldest_pending is not None:
-            oldest = max(0.0, (datetime.now(UTC) - depth.oldest_pending).total_seconds())
-        self.metrics.oldest_pending.labels(pool).set(oldest)
+        self.metrics.observe_depths({pool: depth})
         known = self._replicas.get(pool)
         if not fresh and known is not None and scaler.demand(depth) == known:
             # A notification that changes nothing costs no API call: the Deployment is read on

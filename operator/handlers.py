@@ -32,7 +32,7 @@ from agentrun.operator.crds import GROUP, VERSION
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
-from agentrun.operator.status import Cond, set_condition, status_for
+from agentrun.operator.status import Cond, db_condition, set_condition, status_for
 from agentrun.store import K8sRef, Store
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,8 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
     async def store_or_retry(patch: kopf.Patch, status: dict[str, Any]) -> Store:
         store = await app().ready_store()
         if store is None:
-            patch.status["conditions"] = set_condition(
-                status.get("conditions"),
-                Cond("DatabaseAvailable", False, "DatabaseUnavailable",
-                     "the operator cannot reach PostgreSQL; retrying with backoff"),
-            )
+            conditions = set_condition(status.get("conditions"), db_condition(False))
+            patch.status["conditions"] = conditions
             raise kopf.TemporaryError("database unavailable; retrying", delay=DB_RETRY_DELAY)
         return store
 

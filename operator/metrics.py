@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from agentrun.store import PoolDepth
 
 
 class OperatorMetrics:
@@ -50,6 +55,13 @@ class OperatorMetrics:
         self.notifications = Counter(
             "agentrun_operator_notifications", "Run notifications received", registry=r
         )
+
+    def observe_depths(self, depths: Mapping[str, PoolDepth | None]) -> None:
+        """agentrun_oldest_pending_seconds for these pools (0: nothing pending)."""
+        now = datetime.now(UTC)
+        for pool, d in depths.items():
+            age = (now - d.oldest_pending).total_seconds() if d and d.oldest_pending else 0.0
+            self.oldest_pending.labels(pool).set(max(0.0, age))
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

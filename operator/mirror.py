@@ -27,9 +27,9 @@ from uuid import UUID
 from agentrun.operator.kube import KubeApi, NotFound
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.status import (
-    Cond,
     Event,
     Snapshot,
+    db_condition,
     same_status,
     set_condition,
     status_for,
@@ -194,12 +194,7 @@ class StatusMirror:
     async def set_db_condition(self, up: bool) -> None:
         """A database outage (or its end) is a condition on every unfinished object."""
         self.db_up = up
-        cond = Cond(
-            "DatabaseAvailable",
-            up,
-            "Connected" if up else "DatabaseUnavailable",
-            "" if up else "the operator cannot reach PostgreSQL; retrying with backoff",
-        )
+        cond = db_condition(up)
         for t in list(self.objects.values()):
             if not t.live:
                 continue

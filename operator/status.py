@@ -90,13 +90,17 @@ def conditions_for(run: Run, db_up: bool) -> list[Cond]:
             TERMINAL_REASONS.get(run.status, "InProgress"),
             message(run) if finished else "",
         ),
-        Cond(
-            "DatabaseAvailable",
-            db_up,
-            "Connected" if db_up else "DatabaseUnavailable",
-            "" if db_up else "the operator cannot reach PostgreSQL; retrying with backoff",
-        ),
+        db_condition(db_up),
     ]
+
+
+def db_condition(up: bool) -> Cond:
+    return Cond(
+        "DatabaseAvailable",
+        up,
+        "Connected" if up else "DatabaseUnavailable",
+        "" if up else "the operator cannot reach PostgreSQL; retrying with backoff",
+    )
 
 
 def merge_conditions(

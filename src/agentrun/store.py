@@ -79,6 +79,11 @@ class PromptVersion:
         return hashlib.sha256(body.encode()).hexdigest()
 
 
+def k8s_key(uid: str) -> str:
+    """The external key of the run of the AgentRun object with this uid."""
+    return f"k8s:{uid}"
+
+
 @dataclass(frozen=True)
 class K8sRef:
     namespace: str
@@ -328,7 +333,7 @@ class Store:
         idempotent on ``external_key`` (for an AgentRun object: ``k8s:<uid>``). Returns the run
         and whether this call created it."""
         if k8s is not None and external_key is None:
-            external_key = f"k8s:{k8s.uid}"
+            external_key = k8s_key(k8s.uid)
         params = {
             "external_key": external_key,
             "k8s_namespace": k8s.namespace if k8s else None,
@@ -644,7 +649,7 @@ class Store:
     # -- what the operator reads -----------------------------------------------------------------
 
     async def get_run_by_k8s_uid(self, uid: str) -> Run | None:
-        return await self._one_run("get_run_by_k8s_uid", uid=uid)
+        return await self._one_run("get_run_by_external_key", external_key=k8s_key(uid))
 
     async def k8s_runs(self, ids: Sequence[UUID]) -> list[Run]:
         """The runs among ``ids`` that belong to AgentRun objects."""

@@ -287,9 +287,6 @@ UPDATE agent_run
  WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
 RETURNING *;
 
--- get_run_by_k8s_uid --
-SELECT * FROM agent_run WHERE external_key = 'k8s:' || %(uid)s::text;
-
 -- k8s_runs_by_id --
 -- The operator's status flush: the runs it was notified about, in one round trip.
 SELECT * FROM agent_run WHERE id = ANY(%(ids)s) AND k8s_uid IS NOT NULL;
