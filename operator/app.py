@@ -243,7 +243,11 @@ class OperatorApp:
             self.metrics.runs.clear()
             for (pool, status), n in counts.items():
                 self.metrics.runs.labels(pool, status).set(n)
-            self.metrics.observe_depths(await store.pool_depth())
+            depth = await store.pool_depth()
+            # pool_depth() lists only pools with live runs: a pool whose last pending run went
+            # must read 0, not keep its old age (which would fire the "oldest pending" alert).
+            pools = {pool for pool, _ in counts} | set(depth)
+            self.metrics.observe_depths({pool: depth.get(pool) for pool in pools})
             self._ok()
             await asyncio.sleep(self.settings.metrics_interval)
 

@@ -25,7 +25,7 @@ from kubekit import (
 )
 from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from workerkit import FakeFactory, Workers, echo_scenario, wait_run
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 from agentrun.migrations import latest_version, schema_version
 from agentrun.store import Run, Store
@@ -449,3 +449,16 @@ async def test_operator_migrates_at_startup_unless_told_not_to(
             assert await schema_version(conn) == latest_version()
     finally:
         ops.stop_all()
+
+
+async def test_oldest_pending_age_returns_to_zero_when_the_pool_empties(
+    cluster: KubeCluster, operators: Operators, store: Store
+) -> None:
+    # A pool the operator does not scale: only the metrics recount reports its oldest pending.
+    op = operators.start()
+    run, _ = await store.create_run("wait", AGENT, pool="batch")
+    await eventually(
+        lambda: (op.metric("agentrun_oldest_pending_seconds", pool="batch") or 0) > 0, 15, "age")
+    await store.cancel(run.id)
+    await eventually(
+        lambda: op.metric("agentrun_oldest_pending_seconds", pool="batch") == 0, 15, "back to 0")
