@@ -27,6 +27,8 @@ from agentrun.manifests import AgentRunSpec, AgentSpec
 
 GROUP = "agentrun.dev"
 VERSION = "v1alpha1"
+#: `kubectl get agentrun-all` lists both kinds.
+CATEGORY = "agentrun-all"
 
 
 class PendingApproval(BaseModel):
@@ -209,7 +211,9 @@ def _crd(
         "listKind": f"{kind}List",
         "plural": plural,
         "singular": kind.lower(),
-        "categories": ["agentrun"],
+        # Not "agentrun": kubectl expands a category before it resolves a singular name, so a
+        # category spelt like AgentRun's singular made `kubectl get agentrun NAME` fail.
+        "categories": [CATEGORY],
     }
     if short:
         names["shortNames"] = short

