@@ -21,6 +21,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -34,7 +35,7 @@ from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.mirror import StatusMirror, Tracked
 from agentrun.operator.settings import OperatorSettings
 from agentrun.operator.status import Event
-from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, TERMINAL_STATUSES, Store
+from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, TERMINAL_STATUSES, Run, Store
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class OperatorApp:
             metrics,
             self._event,
             max_patches_per_second=settings.max_patches_per_second,
+            on_gone=self._object_gone,
+            namespaces=settings.namespaces,
         )
         self.autoscaler = Autoscaler(kube, settings.pools, metrics)
         self._tasks: list[asyncio.Task[None]] = []
@@ -226,6 +229,7 @@ class OperatorApp:
         while True:
             await asyncio.sleep(self.settings.resync_interval)
             await self.mirror.resync(store)
+            self.metrics.resyncs.inc()
             self._ok()
 
     async def _scale_loop(self, store: Store) -> None:
@@ -251,14 +255,43 @@ class OperatorApp:
             self._ok()
             await asyncio.sleep(self.settings.metrics_interval)
 
+    # -- objects that vanished ------------------------------------------------------------------
+
+    async def cancel_for_deleted(
+        self, store: Store, namespace: str, name: str, uid: str, run: Run | None = None
+    ) -> None:
+        """The AgentRun ``uid`` is gone: its run, if still live, is cancelled (its history
+        stays in the store). Called on the watch's DELETED event, and by the mirror for an
+        object that vanished while the operator was away."""
+        if run is None:
+            run = await store.get_run_by_k8s_uid(uid)
+        if run is None or run.finished:
+            return
+        _, changed = await store.cancel(run.id, f"AgentRun {namespace}/{name} deleted")
+        if changed:
+            log.info("AgentRun %s/%s deleted: run cancelled; its history stays in the store",
+                     namespace, name, extra={"run_id": str(run.id)})
+
+    async def _object_gone(self, t: Tracked, run: Run | None) -> None:
+        if self.store is not None:
+            await self.cancel_for_deleted(self.store, t.namespace, t.name, t.uid, run)
+
     # -- events -------------------------------------------------------------------------------
 
     async def _event(self, t: Tracked, e: Event) -> None:
+        await self.event(t.body(), e, run_id=t.run_id)
+
+    async def event(self, body: dict[str, Any], e: Event, run_id: UUID | str | None) -> None:
+        """Post an Event about an AgentRun. The operator's only Event source: kopf's own
+        posting of its log lines is off, so one object never gets Events from two sources."""
+        meta = body["metadata"]
         self.metrics.events.labels(e.reason).inc()
-        log.info("AgentRun %s/%s: %s: %s", t.namespace, t.name, e.reason, e.message,
-                 extra={"run_id": str(t.run_id)})
+        log.log(logging.WARNING if e.type == "Warning" else logging.INFO,
+                "AgentRun %s/%s: %s: %s", meta["namespace"], meta["name"], e.reason, e.message,
+                extra={"run_id": str(run_id)})
         try:
-            await self.kube.post_event(t.body(), e.type, e.reason, e.message)
+            await self.kube.post_event(body, e.type, e.reason, e.message)
         except Exception as exc:  # an Event is informative: never worth failing a flush for
             log.warning("AgentRun %s/%s: could not post the %s event: %s",
-                        t.namespace, t.name, e.reason, exc, extra={"run_id": str(t.run_id)})
+                        meta["namespace"], meta["name"], e.reason, exc,
+                        extra={"run_id": str(run_id)})

@@ -109,7 +109,9 @@ class Autoscaler:
             self._opted_out.add(pool)
             return
         self._opted_out.discard(pool)
-        decision = scaler.decide(depth, dep.replicas, time.monotonic())
+        decision = scaler.decide(
+            depth, dep.replicas, time.monotonic(), pristine=dep.pristine
+        )
         self.metrics.desired_replicas.labels(pool).set(scaler.demand(depth))
         if decision.replicas == dep.replicas:
             self.last_poke.pop(pool, None)

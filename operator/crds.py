@@ -9,8 +9,13 @@ fails when the two drift). Regenerate with::
 Kubernetes wants *structural* schemas: no ``$ref``, a ``type`` on every node, no ``anyOf`` over
 types, no ``additionalProperties: false``. :func:`structural` turns pydantic's JSON schema into
 that. What JSON schema cannot say is written as CEL rules (``x-kubernetes-validations``): an
-AgentRun's agent is either a reference or an inline agent, and its spec is immutable, since it pins
-the run.
+AgentRun's agent is either a reference or an inline agent (a reference carries no inline field),
+thinking's budget stays under maxTokens, and an AgentRun's spec is immutable, since it pins the
+run. The pydantic models enforce the same rules with the same messages, for ``submit -f``.
+
+Every string and list is bounded (``maxLength`` / ``maxItems``): the API server estimates a CEL
+rule's cost from the largest value a field may hold, and an object must stay small enough for
+etcd and for kopf's and kubectl's copies of it in annotations.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrun.manifests import AgentRunSpec, AgentSpec
+from agentrun.manifests import (
+    BUDGET_MESSAGE,
+    NEITHER_MESSAGE,
+    REFERENCE_MESSAGE,
+    AgentRunSpec,
+    AgentSpec,
+    inline_fields,
+)
 
 GROUP = "agentrun.dev"
 VERSION = "v1alpha1"
@@ -31,23 +43,57 @@ VERSION = "v1alpha1"
 CATEGORY = "agentrun-all"
 
 
+#: Status strings: the operator truncates what it writes (operator/status.py: 1 KiB for result and
+#: error, 80 to 300 characters for one-line texts); these bounds sit well above that, and above
+#: any id or name it copies (a worker id is a hostname plus a pid), so a status never fails on
+#: them, while a hand-written status cannot grow without end.
+STATUS_TEXT = 4096
+STATUS_LINE = 1024
+
+
+def _text(limit: int, description: str | None = None, alias: str | None = None) -> Any:
+    return Field(None, alias=alias, max_length=limit, description=description)
+
+
 class PendingApproval(BaseModel):
     seq: int = Field(description="Step of the tool call waiting for a decision.")
-    tool: str = Field(description="The tool it would call.")
-    arguments: str = Field(description="Its arguments, summarised.")
-    reason: str = Field(description="Why it waits (approval required, or outcome unknown).")
+    tool: str = Field(max_length=STATUS_LINE, description="The tool it would call.")
+    arguments: str = Field(max_length=STATUS_LINE, description="Its arguments, summarised.")
+    reason: str = Field(
+        max_length=STATUS_LINE,
+        description="Why it waits (approval required, or outcome unknown).",
+    )
 
 
 class Condition(BaseModel):
-    """A standard Kubernetes condition (metav1.Condition)."""
+    """A standard Kubernetes condition: metav1.Condition's fields, bounds and patterns."""
 
     model_config = ConfigDict(populate_by_name=True)
-    type: str
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+        r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+        description="Type of condition in CamelCase.",
+    )
     status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]})
-    reason: str
-    message: str = ""
-    last_transition_time: str = Field(alias="lastTransitionTime")
-    observed_generation: int | None = Field(None, alias="observedGeneration")
+    observed_generation: int | None = Field(
+        None,
+        alias="observedGeneration",
+        ge=0,
+        description="The .metadata.generation the condition was set for.",
+    )
+    last_transition_time: str = Field(
+        alias="lastTransitionTime",
+        json_schema_extra={"format": "date-time"},
+        description="When the condition last changed from one status to another.",
+    )
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="Why, in CamelCase, for machines.",
+    )
+    message: str = Field(max_length=32768, description="Why, for humans; may be empty.")
 
 
 class TokenUsage(BaseModel):
@@ -59,7 +105,7 @@ class AgentRunStatus(BaseModel):
     """Mirrored from the run store by the operator; never written by users."""
 
     model_config = ConfigDict(populate_by_name=True)
-    run_id: str | None = Field(None, alias="runId", description="The run's id in the store.")
+    run_id: str | None = _text(STATUS_LINE, "The run's id in the store.", alias="runId")
     phase: str | None = Field(
         None,
         description="pending, running, waiting_approval, succeeded, failed, cancelled, "
@@ -78,18 +124,27 @@ class AgentRunStatus(BaseModel):
     )
     step: int | None = Field(None, description="Steps committed so far.")
     attempt: int | None = Field(None, description="Claims so far.")
-    worker: str | None = Field(None, description="The worker holding the run.")
-    model: str | None = Field(None, description="The pinned model.")
-    prompt_version: str | None = Field(None, alias="promptVersion")
+    worker: str | None = _text(STATUS_LINE, "The worker holding the run.")
+    model: str | None = _text(STATUS_LINE, "The pinned model.")
+    prompt_version: str | None = _text(STATUS_LINE, alias="promptVersion")
     tokens: TokenUsage | None = None
-    result: str | None = Field(None, description="The final answer, truncated.")
-    error: str | None = None
-    message: str | None = Field(None, description="One line for kubectl get.")
+    result: str | None = _text(STATUS_TEXT, "The final answer, truncated.")
+    error: str | None = _text(STATUS_TEXT)
+    message: str | None = _text(STATUS_LINE, "One line for kubectl get.")
     pending_approval: PendingApproval | None = Field(None, alias="pendingApproval")
-    started_at: str | None = Field(None, alias="startedAt")
-    finished_at: str | None = Field(None, alias="finishedAt")
+    started_at: str | None = _text(64, alias="startedAt")
+    finished_at: str | None = _text(64, alias="finishedAt")
     observed_generation: int | None = Field(None, alias="observedGeneration")
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=32,
+        # A map keyed by type, as metav1.Conditions are: one condition per type, and a
+        # server-side apply merges conditions by type instead of replacing the list.
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
 
 
 _DROP = {"title", "additionalProperties", "$defs"}
@@ -108,9 +163,10 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             target = copy.deepcopy(defs[node["$ref"].split("/")[-1]])
             extra = {k: v for k, v in node.items() if k != "$ref"}
             return walk({**target, **extra})
-        if "anyOf" in node:
-            options = [o for o in node["anyOf"] if o.get("type") != "null"]
-            rest = {k: v for k, v in node.items() if k != "anyOf"}
+        union = "anyOf" if "anyOf" in node else "oneOf" if "oneOf" in node else None
+        if union is not None:
+            options = [o for o in node[union] if o.get("type") != "null"]
+            rest = {k: v for k, v in node.items() if k != union}
             if len(options) == 1:
                 return walk({**options[0], **rest})
             # A union of objects (AgentRef | AgentSpec): one object with every property; the
@@ -145,6 +201,41 @@ def _object_schema(spec: dict[str, Any], status: dict[str, Any] | None) -> dict[
     return {"type": "object", "required": ["spec"], "properties": properties}
 
 
+def _budget_rule(where: str) -> dict[str, Any]:
+    """thinking.budgetTokens < maxTokens, on an agent object (``where``: its path, for the
+    message). maxTokens may be absent: the API server applies no default inside AgentRun's agent
+    union (see :func:`structural`), so the rule falls back to AgentSpec's default itself.
+
+    The message names the field; ``fieldPath`` would too, but it is Kubernetes 1.28+ and the
+    chart supports 1.25, where a strict apply refuses the CRD for the unknown key."""
+    default = AgentSpec.model_fields["max_tokens"].default
+    return {
+        "rule": "!has(self.thinking) || self.thinking.budgetTokens < "
+        f"(has(self.maxTokens) ? self.maxTokens : {default})",
+        "message": f"{where}thinking.budgetTokens "
+        + BUDGET_MESSAGE.format(max_tokens=f"default {default}"),
+    }
+
+
+def agent_union_rules() -> list[dict[str, Any]]:
+    """The rules on AgentRun's ``spec.agent``: a reference (name) alone, or an inline agent
+    (model and whatever else of AgentSpec). The inline fields come from AgentSpec, so a field
+    added there is forbidden beside name without anyone remembering to list it here."""
+    inline = inline_fields()
+    carries_inline = " || ".join(f"has(self.{f})" for f in inline)
+    return [
+        {
+            "rule": "has(self.name) || has(self.model)",
+            "message": f"spec.agent: {NEITHER_MESSAGE}",
+        },
+        {
+            "rule": f"!has(self.name) || !({carries_inline})",
+            "message": "spec.agent: " + REFERENCE_MESSAGE.format(fields=", ".join(inline)),
+        },
+        _budget_rule("spec.agent."),
+    ]
+
+
 def agentrun_crd() -> dict[str, Any]:
     spec = structural(AgentRunSpec.model_json_schema(by_alias=True))
     spec["description"] = "What the run does. Pinned when the run is created: immutable."
@@ -154,13 +245,7 @@ def agentrun_crd() -> dict[str, Any]:
             "message": "spec is immutable: it pins the run; create a new AgentRun instead",
         }
     ]
-    spec["properties"]["agent"]["x-kubernetes-validations"] = [
-        {
-            "rule": "has(self.name) != has(self.model)",
-            "message": "spec.agent: give either name (an Agent in this namespace) or an inline "
-            "agent with model, not both",
-        }
-    ]
+    spec["properties"]["agent"]["x-kubernetes-validations"] = agent_union_rules()
     status = structural(AgentRunStatus.model_json_schema(by_alias=True))
     columns = [
         ("Phase", "string", ".status.phase", 0),
@@ -178,6 +263,7 @@ def agentrun_crd() -> dict[str, Any]:
 def agent_crd() -> dict[str, Any]:
     spec = structural(AgentSpec.model_json_schema(by_alias=True))
     spec["description"] = "Model, system prompt and tools, pinned into every run created from it."
+    spec["x-kubernetes-validations"] = [_budget_rule("spec.")]
     columns = [
         ("Model", "string", ".spec.model", 0),
         ("Pool", "string", ".spec.pool", 0),

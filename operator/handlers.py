@@ -4,14 +4,19 @@
   namespace, from an in-memory kopf index, or an inline agent) and the run created in the store,
   idempotently on the object's uid (a handler that runs twice, e.g. after the operator died
   between the insert and kopf's own bookkeeping, finds the same row). An unknown Agent is a
-  condition (Accepted=False, AgentNotFound) and a retry every 15 s (by default), so creating the
-  Agent later is enough.
+  condition (Accepted=False, AgentNotFound), one Warning Event and one log line, and a quiet
+  retry every 15 s (by default), so creating the Agent later is enough.
 * resume (operator start): the object is tracked by the status mirror again.
 * annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>"``,
   ``agentrun.dev/reject: "<seq>"``: acted on in the store, then removed (consumed), with an
   Event saying what was done or why it was refused.
-* delete: kopf's finalizer holds the object until the run is cancelled in the store; the run's
-  history stays there.
+* delete: the watch's DELETED event cancels the run in the store (its history stays there).
+  No finalizer: an AgentRun never waits for the operator to go away, so uninstalling, deleting
+  the CRDs or a namespace cannot hang. A deletion the operator did not see (it was down) is
+  found by the status mirror at its next resync, which cancels the run then. Objects that still
+  carry the finalizer of earlier versions have it removed by kopf (no handler needs it).
+* Events: posted by the operator alone (kopf's posting of its log lines is off), so an object's
+  Events come from one source, ``agentrun-operator``.
 
 Status mirroring, scaling and metrics are background loops (:mod:`agentrun.operator.app`).
 """
@@ -24,7 +29,7 @@ from typing import Any, Literal
 import kopf
 from pydantic import ValidationError
 
-from agentrun.errors import ConfigError
+from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRef, AgentRunSpec, AgentSpec
 from agentrun.operator.app import DB_ERRORS, OperatorApp
@@ -32,7 +37,16 @@ from agentrun.operator.crds import GROUP, VERSION
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
-from agentrun.operator.status import Cond, db_condition, set_condition, status_for
+from agentrun.operator.status import (
+    Cond,
+    CondType,
+    Event,
+    Reason,
+    db_condition,
+    not_ready,
+    set_condition,
+    status_for,
+)
 from agentrun.store import K8sRef, Store
 
 log = logging.getLogger(__name__)
@@ -43,8 +57,25 @@ CANCEL = "agentrun.dev/cancel"
 APPROVE = "agentrun.dev/approve"
 REJECT = "agentrun.dev/reject"
 ACTIONS = (CANCEL, APPROVE, REJECT)
+#: Put on AgentRuns by versions before 0.2; kopf removes it now that no handler needs it.
 FINALIZER = "agentrun.dev/finalizer"
 DB_RETRY_DELAY = 5.0
+#: How a retry while the Agent does not exist starts; its kopf log line is filtered out (we log
+#: the wait once, at WARNING, instead of an ERROR every retry).
+AWAITING_AGENT = "waiting for Agent"
+
+
+class _QuietAgentRetries(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"failed temporarily: {AWAITING_AGENT}" not in record.getMessage()
+
+
+def _ref(namespace: str, name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "AgentRun",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+    }
 
 
 def _validation_message(err: ValidationError) -> str:
@@ -90,12 +121,20 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             prefix="operator.agentrun.dev"
         )
         ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="operator.agentrun.dev", key="last-handled-configuration"
+            prefix="operator.agentrun.dev",
+            key="last-handled-configuration",
+            # The spec is immutable (CEL) and may be 100s of KB (the task): kopf would copy it
+            # into this annotation, and an annotation over 256 KiB wedges the object.
+            ignored_fields=["spec"],
         )
-        ks.posting.level = logging.INFO
+        ks.posting.enabled = False  # Events come from the operator alone (app.event)
+        logging.getLogger("kopf.objects").addFilter(_QuietAgentRetries())
         metrics = OperatorMetrics()
         if config.metrics_port is not None:
-            metrics.serve(config.metrics_port)
+            try:
+                metrics.serve(config.metrics_port)
+            except ConfigError as exc:  # taken since `agentrun operator` checked it: exit 2
+                raise kopf.PermanentError(str(exc)) from exc
         kube = KubeApi.from_environment(on_call=lambda verb: metrics.kube_calls.labels(verb).inc())
         state["app"] = OperatorApp(config, kube, metrics)
         await state["app"].start()
@@ -114,18 +153,31 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.create(*AGENTRUNS, registry=registry, id="run", backoff=5)
     async def create_run(
-        body: kopf.Body,
         spec: kopf.Spec,
         namespace: str | None,
         name: str,
         uid: str,
         status: kopf.Status,
         patch: kopf.Patch,
+        meta: kopf.Meta,
         **kwargs: Any,
     ) -> None:
         assert namespace is not None  # AgentRun is namespaced
         agents: kopf.Index[tuple[str | None, str], dict[str, Any]] = kwargs["agents_by_name"]
         current = dict(status)
+        generation = meta.get("generation")
+        ref = _ref(namespace, name, uid)
+
+        def refuse(reason: Reason, message: str, why: str) -> None:
+            conditions = set_condition(
+                current.get("conditions"), Cond(CondType.ACCEPTED, False, reason, why), generation
+            )
+            patch.status["conditions"] = set_condition(
+                conditions, not_ready(reason, why), generation
+            )
+            patch.status["message"] = message
+            patch.status["observedGeneration"] = generation
+
         try:
             run_spec = AgentRunSpec.model_validate(dict(spec))
             if isinstance(run_spec.agent, AgentRef):
@@ -137,22 +189,24 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                         f"{namespace}; create it (kubectl apply -f agent.yaml) and the run "
                         f"starts within {config.agent_retry_delay:.0f}s"
                     )
-                    patch.status["message"] = f"Agent {run_spec.agent.name} not found"
-                    patch.status["conditions"] = set_condition(
-                        current.get("conditions"), Cond("Accepted", False, "AgentNotFound", why)
+                    if not _has_reason(current, CondType.ACCEPTED, Reason.AGENT_NOT_FOUND):
+                        # Once per object (and per operator restart it is not repeated: the
+                        # condition is on the object): one Event, and its one WARNING line.
+                        await app().event(
+                            ref, Event("Warning", Reason.AGENT_NOT_FOUND, why), run_id=None
+                        )
+                    refuse(Reason.AGENT_NOT_FOUND, f"Agent {run_spec.agent.name} not found", why)
+                    raise kopf.TemporaryError(
+                        f"{AWAITING_AGENT} {run_spec.agent.name!r}",
+                        delay=config.agent_retry_delay,
                     )
-                    kopf.warn(body, reason="AgentNotFound", message=why)
-                    raise kopf.TemporaryError(why, delay=config.agent_retry_delay)
                 agent = AgentSpec.model_validate(found[0])
             else:
                 agent = run_spec.agent
         except ValidationError as exc:
             why = _validation_message(exc)
-            patch.status["message"] = "invalid spec"
-            patch.status["conditions"] = set_condition(
-                current.get("conditions"), Cond("Accepted", False, "InvalidSpec", why)
-            )
-            kopf.warn(body, reason="InvalidSpec", message=why)
+            refuse(Reason.INVALID_SPEC, "invalid spec", why)
+            await app().event(ref, Event("Warning", Reason.INVALID_SPEC, why), run_id=None)
             raise kopf.PermanentError(why) from None
 
         store = await store_or_retry(patch, current)
@@ -169,28 +223,30 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
         # Crash tests kill the operator here: the row exists, kopf has not recorded success.
         crash_point("operator_after_create_run", 0)
-        new = status_for(run, db_up=True, previous=current)
-        patch.status.update(new)
-        app().mirror.track(namespace, name, uid, new)
+        new = status_for(run, db_up=True, previous=current, generation=generation)
+        # A merge patch: keys the new status lacks (an earlier "message") are set to null.
+        patch.status.update({**{k: None for k in current}, **new})
+        app().mirror.track(namespace, name, uid, new, generation)
         log.info(
             "AgentRun %s/%s: %s run in pool %s",
             namespace, name, "created" if created else "found the existing", run.pool,
             extra={"run_id": str(run.id)},
         )
         if created:
-            kopf.info(body, reason="Created", message=f"run {run.id} in pool {run.pool}")
+            await app().event(
+                ref, Event("Normal", Reason.CREATED, f"run {run.id} in pool {run.pool}"), run.id
+            )
 
     @kopf.on.resume(*AGENTRUNS, registry=registry, id="track")
     async def resume(
-        namespace: str | None, name: str, uid: str, status: kopf.Status, **_: Any
+        namespace: str | None, name: str, uid: str, status: kopf.Status, meta: kopf.Meta, **_: Any
     ) -> None:
-        app().mirror.track(namespace or "", name, uid, dict(status))
+        app().mirror.track(namespace or "", name, uid, dict(status), meta.get("generation"))
 
     @kopf.on.create(*AGENTRUNS, registry=registry, id="actions", when=has_action)
     @kopf.on.update(*AGENTRUNS, registry=registry, id="actions", when=has_action)
     @kopf.on.resume(*AGENTRUNS, registry=registry, id="actions", when=has_action)
     async def actions(
-        body: kopf.Body,
         annotations: kopf.Annotations,
         namespace: str | None,
         name: str,
@@ -207,6 +263,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
         if run is None:
             raise kopf.TemporaryError("the run is not created yet", delay=1)
         who = f"annotation on AgentRun {namespace}/{name}"
+        ref = _ref(namespace or "", name, uid)
         for key in ACTIONS:
             if key not in annotations:
                 continue
@@ -217,8 +274,9 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                         raise ConfigError(f'{key} must be "true", not {value!r}')
                     _run, changed = await store.cancel(run.id, f"cancelled by {who}")
                     if not changed:
-                        kopf.info(body, reason="CancelIgnored",
-                                  message=f"the run had already ended ({run.status})")
+                        await app().event(ref, Event(
+                            "Normal", Reason.CANCEL_IGNORED,
+                            f"the run had already ended ({run.status})"), run.id)
                 else:
                     try:
                         seq = int(value)
@@ -231,15 +289,16 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                         "approved" if key == APPROVE else "rejected"
                     )
                     call = await store.decide(run.id, seq, decision, decided_by=who)
-                    kopf.info(
-                        body,
-                        reason="Approved" if key == APPROVE else "Rejected",
-                        message=f"step {seq} ({call.get('tool')}) {decision} by {who}",
-                    )
+                    await app().event(ref, Event(
+                        "Normal",
+                        Reason.APPROVED if key == APPROVE else Reason.REJECTED,
+                        f"step {seq} ({call.get('tool')}) {decision} by {who}",
+                    ), run.id)
                 log.info("AgentRun %s/%s: %s=%s applied", namespace, name, key, value,
                          extra={"run_id": str(run.id)})
             except ConfigError as exc:
-                kopf.warn(body, reason="ActionRefused", message=f"{key}={value}: {exc}")
+                await app().event(ref, Event(
+                    "Warning", Reason.ACTION_REFUSED, f"{key}={value}: {exc}"), run.id)
                 log.warning("AgentRun %s/%s: %s=%s refused: %s", namespace, name, key, value, exc,
                             extra={"run_id": str(run.id)})
             except DB_ERRORS as exc:
@@ -247,19 +306,30 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             # Consumed: the same annotation can be set again for the next decision.
             patch.metadata.annotations[key] = None
 
-    @kopf.on.delete(*AGENTRUNS, registry=registry, id="cancel-on-delete")
-    async def delete(
-        namespace: str | None, name: str, uid: str, status: kopf.Status, patch: kopf.Patch, **_: Any
+    @kopf.on.event(*AGENTRUNS, registry=registry, id="cancel-on-delete")
+    async def deleted(
+        event: kopf.RawEvent, namespace: str | None, name: str, uid: str, **_: Any
     ) -> None:
-        store = await store_or_retry(patch, dict(status))
+        if event.get("type") != "DELETED":
+            return
+        app().mirror.forget(uid, gone=True)
+        store = await app().ready_store()
         try:
-            run = await store.get_run_by_k8s_uid(uid)
-            if run is not None and not run.finished:
-                await store.cancel(run.id, f"AgentRun {namespace}/{name} deleted")
-                log.info("AgentRun %s/%s deleted: run cancelled; its history stays in the store",
-                         namespace, name, extra={"run_id": str(run.id)})
-        except DB_ERRORS as exc:
-            raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-        app().mirror.forget(uid)
+            if store is None:
+                raise DatabaseUnavailable("database unavailable")
+            await app().cancel_for_deleted(store, namespace or "", name, uid)
+        except DB_ERRORS:
+            # The object is gone and no retry comes from the watch: the mirror's next resync
+            # after the outage finds the run's object missing and cancels it then.
+            app().mirror.gone.discard(uid)
+            log.warning("AgentRun %s/%s deleted while the database is unavailable; its run is "
+                        "cancelled once the database answers", namespace, name)
 
     return registry
+
+
+def _has_reason(status: dict[str, Any], ctype: str, reason: str) -> bool:
+    return any(
+        c.get("type") == ctype and c.get("reason") == reason
+        for c in status.get("conditions") or []
+    )

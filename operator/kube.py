@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+#: The field manager of the operator's writes (shown in managedFields where Kubernetes records
+#: one; scale subresource writes are not recorded on a Deployment).
+FIELD_MANAGER = "agentrun-operator"
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,10 @@ class Deployment:
     namespace: str
     replicas: int
     annotations: dict[str, str]
+    #: Its spec never changed since it was created (metadata.generation 1): the replica count
+    #: is its creator's, the API's default of 1 when Helm rendered none. Every scale, by the
+    #: operator or anyone, bumps the generation.
+    pristine: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,11 @@ class Pod:
 
 class NotFound(Exception):
     pass
+
+
+class Gone(NotFound):
+    """The object the operator knew is gone: deleted, or deleted and re-created under the same
+    name (another uid, another run)."""
 
 
 class KubeApi:
@@ -85,20 +100,44 @@ class KubeApi:
                 raise
 
     async def patch_agentrun_status(
-        self, namespace: str, name: str, status: dict[str, Any]
+        self, namespace: str, name: str, uid: str, status: dict[str, Any]
     ) -> None:
-        await self._call(
-            "patch_status",
-            lambda: self.custom.patch_namespaced_custom_object_status(
-                GROUP,
-                VERSION,
-                namespace,
-                "agentruns",
-                name,
-                {"status": status},
-                _content_type=MERGE_PATCH,
-            ),
-        )
+        """Replace the ``.status`` of the object ``uid``, never of another object that has its
+        name now: a JSON patch whose ``test /metadata/uid`` fails is refused with 422 (a merge
+        patch's ``metadata.uid`` is silently ignored). Raises :class:`Gone` when the object was
+        deleted or replaced."""
+        ops: list[dict[str, Any]] = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "add", "path": "/status", "value": status},  # add: replaces one that exists
+        ]
+        try:
+            await self._call(
+                "patch_status",
+                lambda: self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, "agentruns", name, ops,
+                    _content_type=JSON_PATCH,
+                ),
+            )
+        except NotFound:
+            raise Gone(f"AgentRun {namespace}/{name} was deleted") from None
+        except ApiException as exc:
+            if exc.status == 422 and not await self._same_uid(namespace, name, uid):
+                raise Gone(
+                    f"AgentRun {namespace}/{name} was deleted and re-created (uid {uid} is gone)"
+                ) from None
+            raise
+
+    async def _same_uid(self, namespace: str, name: str, uid: str) -> bool:
+        try:
+            obj: Any = await self._call(
+                "get",
+                lambda: self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, "agentruns", name
+                ),
+            )
+        except NotFound:
+            return False
+        return bool(obj.get("metadata", {}).get("uid") == uid)
 
     async def post_event(
         self, involved: dict[str, Any], type: str, reason: str, message: str
@@ -145,13 +184,15 @@ class KubeApi:
             namespace=namespace,
             replicas=int(d.spec.replicas if d.spec.replicas is not None else 1),
             annotations=dict(d.metadata.annotations or {}),
+            pristine=d.metadata.generation == 1,
         )
 
     async def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         await self._call(
             "patch_scale",
             lambda: self.apps.patch_namespaced_deployment_scale(
-                name, namespace, {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH
+                name, namespace, {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH,
+                field_manager=FIELD_MANAGER,
             ),
         )
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from agentrun.errors import ConfigError
 from agentrun.store import PoolDepth
 
 
@@ -55,6 +57,11 @@ class OperatorMetrics:
         self.notifications = Counter(
             "agentrun_operator_notifications", "Run notifications received", registry=r
         )
+        self.resyncs = Counter(
+            "agentrun_operator_resyncs",
+            "Resyncs done: every live run compared with its object (and queued if behind)",
+            registry=r,
+        )
 
     def observe_depths(self, depths: Mapping[str, PoolDepth | None]) -> None:
         """agentrun_oldest_pending_seconds for these pools (0: nothing pending)."""
@@ -63,5 +70,14 @@ class OperatorMetrics:
             age = (now - d.oldest_pending).total_seconds() if d and d.oldest_pending else 0.0
             self.oldest_pending.labels(pool).set(max(0.0, age))
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            # `agentrun operator` checked the port before kopf started; this is it being taken
+            # since. One line for the log, not an OSError's errno and traceback.
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise ConfigError(
+                f"--metrics-port {port} (AGENTRUN_METRICS_PORT): cannot listen on {host} "
+                f"({reason}); free it or choose another port (-1 turns it off)"
+            ) from None

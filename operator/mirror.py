@@ -12,6 +12,10 @@ No per-object polling (it must stay cheap at 10,000 runs):
 * Every patch takes a token from one bucket (``max_patches_per_second``): a burst of 10,000 runs
   finishing together is spread out rather than thrown at the API server. Notified changes go
   before resync changes.
+* Every patch is guarded by the object's uid: an AgentRun deleted and re-created under the same
+  name is another object with another run, and never shows the old run's status. An object found
+  gone (deleted while the operator was away, or replaced) is reported to ``on_gone`` once, which
+  cancels its run if it is still live, and is never patched again.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from agentrun.operator.kube import KubeApi, NotFound
+from agentrun.operator.kube import Gone, KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.status import (
+    Cond,
     Event,
     Snapshot,
     db_condition,
+    normalised,
     same_status,
     set_condition,
     status_for,
@@ -52,6 +58,8 @@ class Tracked:
     #: False for an object first met through the store: its history is unknown, so the first
     #: change seen posts no Event (an operator restart must not repeat "Claimed" for every run).
     known: bool = True
+    #: metadata.generation, echoed as status.observedGeneration (None: not seen yet).
+    generation: int | None = None
 
     @property
     def run_id(self) -> UUID | None:
@@ -97,11 +105,20 @@ class StatusMirror:
         post_event: Callable[[Tracked, Event], Awaitable[None]],
         *,
         max_patches_per_second: float,
+        on_gone: Callable[[Tracked, Run | None], Awaitable[None]] | None = None,
+        namespaces: list[str] | None = None,
     ) -> None:
         self.kube = kube
         self.metrics = metrics
         self.post_event = post_event
+        self.on_gone = on_gone
+        #: The watched namespaces (empty: all). Runs of other namespaces belong to another
+        #: operator, or to none: never patched, never cancelled from here.
+        self.namespaces = frozenset(namespaces or ())
         self.objects: dict[str, Tracked] = {}
+        #: uids of objects found deleted or replaced: never tracked again.
+        self.gone: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.db_up = True
         self._dirty: set[UUID] = set()
         self._stale: dict[UUID, Run] = {}
@@ -110,18 +127,44 @@ class StatusMirror:
 
     # -- what handlers and the listener call ----------------------------------------------------
 
-    def track(self, namespace: str, name: str, uid: str, status: dict[str, Any] | None) -> None:
+    def watched(self, namespace: str | None) -> bool:
+        return not self.namespaces or namespace in self.namespaces
+
+    def track(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        status: dict[str, Any] | None,
+        generation: int | None = None,
+    ) -> None:
+        if uid in self.gone:
+            return
         t = self.objects.get(uid)
         if t is None:
-            t = Tracked(namespace, name, uid, dict(status or {}), Snapshot.from_status(status))
+            t = Tracked(namespace, name, uid, dict(status or {}), Snapshot.from_status(status),
+                        generation=generation)
             self.objects[uid] = t
-        elif status and not t.status:
-            t.status = dict(status)
+        else:
+            if status and not t.status:
+                t.status = dict(status)
+            t.generation = generation or t.generation
         if t.run_id is not None:
             self.notify(t.run_id)
+        if not self.db_up and t.live:
+            # Met during an outage (an operator started while the database is down): say so on
+            # the object now; set_db_condition ran before this object was known.
+            self._spawn(self._set_db_condition_on(t, db_condition(False)))
 
-    def forget(self, uid: str) -> None:
+    def forget(self, uid: str, gone: bool = False) -> None:
         self.objects.pop(uid, None)
+        if gone:
+            self.gone.add(uid)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def notify(self, run_id: UUID) -> None:
         self._dirty.add(run_id)
@@ -159,10 +202,14 @@ class StatusMirror:
         runs = await store.k8s_live_runs()
         seen: set[UUID] = set()
         for run in runs:
+            if not self.watched(run.k8s_namespace) or (run.k8s_uid or "") in self.gone:
+                continue
             seen.add(run.id)
             t = self.objects.get(run.k8s_uid or "")
             previous = t.status if t else None
-            if not same_status(previous, status_for(run, db_up=True, previous=previous)):
+            generation = t.generation if t else None
+            fresh = status_for(run, db_up=True, previous=previous, generation=generation)
+            if not same_status(previous, fresh):
                 self._stale[run.id] = run
         # A live object whose run is no longer live finished while a notification was lost.
         for t in list(self.objects.values()):
@@ -174,16 +221,18 @@ class StatusMirror:
 
     async def apply(self, run: Run) -> None:
         uid = run.k8s_uid or ""
+        if uid in self.gone or not self.watched(run.k8s_namespace):
+            return
         t = self.objects.get(uid)
         if t is None:
             if not (run.k8s_namespace and run.k8s_name):
                 return
             t = Tracked(run.k8s_namespace, run.k8s_name, uid, known=False)
             self.objects[uid] = t
-        new = status_for(run, db_up=self.db_up, previous=t.status)
+        new = status_for(run, db_up=self.db_up, previous=t.status, generation=t.generation)
         events = transitions(t.snapshot, run) if t.known else []
         if not same_status(t.status, new):
-            if not await self._patch(t, new):
+            if not await self._patch(t, new, run):
                 return
             t.status = new
         t.snapshot = Snapshot.of(run)
@@ -198,20 +247,30 @@ class StatusMirror:
         for t in list(self.objects.values()):
             if not t.live:
                 continue
-            conditions = set_condition((t.status or {}).get("conditions"), cond)
-            if await self._patch(t, {"conditions": conditions}):
-                t.status = {**(t.status or {}), "conditions": conditions}
+            await self._set_db_condition_on(t, cond)
             if up and t.run_id is not None:
                 self._dirty.add(t.run_id)
         self._wake.set()
 
-    async def _patch(self, t: Tracked, status: dict[str, Any]) -> bool:
+    async def _set_db_condition_on(self, t: Tracked, cond: Cond) -> None:
+        conditions = set_condition((t.status or {}).get("conditions"), cond, t.generation)
+        status = normalised({**(t.status or {}), "conditions": conditions})
+        if same_status(t.status, status):
+            return
+        if await self._patch(t, status, None):
+            t.status = status
+
+    async def _patch(self, t: Tracked, status: dict[str, Any], run: Run | None) -> bool:
         await self._bucket.take()
         try:
-            await self.kube.patch_agentrun_status(t.namespace, t.name, status)
-        except NotFound:
-            log.info("AgentRun %s/%s is gone; no longer mirrored", t.namespace, t.name)
+            await self.kube.patch_agentrun_status(t.namespace, t.name, t.uid, status)
+        except Gone as exc:
+            log.info("%s; no longer mirrored", exc,
+                     extra={"run_id": str(run.id if run else t.run_id)})
             self.forget(t.uid)
+            if self.on_gone is not None:
+                await self.on_gone(t, run)  # a database error here: found gone again later
+            self.gone.add(t.uid)
             return False
         self.metrics.status_patches.inc()
         return True

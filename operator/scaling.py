@@ -55,10 +55,19 @@ class Scaler:
         wanted = math.ceil(live / self.settings.runs_per_worker)
         return max(self.settings.min_replicas, min(self.settings.max_replicas, wanted))
 
-    def decide(self, depth: PoolDepth | None, current: int, now: float) -> Decision:
-        """The replica count to set now (``current`` when nothing should change)."""
+    def decide(
+        self, depth: PoolDepth | None, current: int, now: float, *, pristine: bool = False
+    ) -> Decision:
+        """The replica count to set now (``current`` when nothing should change).
+        ``pristine``: the Deployment was never scaled since its creation. The delay guards
+        scaling decisions against thrash; a count nobody decided (the API's default of 1 for a
+        Deployment installed without replicas) is corrected at once."""
         wanted = self.demand(depth)
         live = (depth.pending + depth.running) if depth else 0
+        if pristine and wanted != current:
+            self._lower_since = None
+            return Decision(wanted, f"first decision: {live} live runs need {wanted} (the "
+                                    f"Deployment still has the {current} it was created with)")
         if wanted >= current:
             self._lower_since = None
             if wanted > current:

@@ -2,7 +2,10 @@
 
 The status is a function of the run row (and of whether the database answers), so a restarted
 operator computes the same status again and patches nothing; only ``lastTransitionTime`` of a
-condition carries over from what the object already shows.
+condition carries over from what the object already shows. It is built through the
+:class:`~agentrun.operator.crds.AgentRunStatus` model, the same one the CRD's schema is generated
+from, and holds no ``None``: an absent field and a null one must compare equal, or every restart
+re-patches every object.
 """
 
 from __future__ import annotations
@@ -10,9 +13,50 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
+from agentrun.operator.crds import AgentRunStatus
 from agentrun.store import Run
+
+
+class CondType(StrEnum):
+    """The condition types an AgentRun carries (metav1.Condition ``type``)."""
+
+    ACCEPTED = "Accepted"
+    WAITING_FOR_APPROVAL = "WaitingForApproval"
+    COMPLETED = "Completed"
+    DATABASE_AVAILABLE = "DatabaseAvailable"
+    #: kstatus and Argo CD read ``Ready``: True once the run has succeeded.
+    READY = "Ready"
+
+
+class Reason(StrEnum):
+    """Condition reasons and Event reasons (CamelCase, as Kubernetes spells them)."""
+
+    RUN_CREATED = "RunCreated"
+    AGENT_NOT_FOUND = "AgentNotFound"
+    INVALID_SPEC = "InvalidSpec"
+    APPROVAL_REQUIRED = "ApprovalRequired"
+    NOT_WAITING = "NotWaiting"
+    IN_PROGRESS = "InProgress"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+    DEAD_LETTERED = "DeadLettered"
+    CONNECTED = "Connected"
+    DATABASE_UNAVAILABLE = "DatabaseUnavailable"
+    WAITING_FOR_APPROVAL = "WaitingForApproval"
+    # Events only
+    CREATED = "Created"
+    CLAIMED = "Claimed"
+    RESUMED = "Resumed"
+    HANDED_OVER = "HandedOver"
+    FINISHED = "Finished"
+    APPROVED = "Approved"
+    REJECTED = "Rejected"
+    ACTION_REFUSED = "ActionRefused"
+    CANCEL_IGNORED = "CancelIgnored"
 
 #: ``.status.result`` and ``.status.error`` are truncated to this: objects live in etcd, the full
 #: text in the store (``agentrun steps RUN``).
@@ -20,10 +64,10 @@ MAX_TEXT = 1024
 MAX_MESSAGE = 80
 
 TERMINAL_REASONS = {
-    "succeeded": "Succeeded",
-    "failed": "Failed",
-    "cancelled": "Cancelled",
-    "dead_letter": "DeadLettered",
+    "succeeded": Reason.SUCCEEDED,
+    "failed": Reason.FAILED,
+    "cancelled": Reason.CANCELLED,
+    "dead_letter": Reason.DEAD_LETTERED,
 }
 
 
@@ -77,28 +121,46 @@ def conditions_for(run: Run, db_up: bool) -> list[Cond]:
     finished = run.finished
     waiting = run.status == "waiting_approval"
     return [
-        Cond("Accepted", True, "RunCreated", f"run {run.id} in pool {run.pool}"),
+        Cond(CondType.ACCEPTED, True, Reason.RUN_CREATED, f"run {run.id} in pool {run.pool}"),
         Cond(
-            "WaitingForApproval",
+            CondType.WAITING_FOR_APPROVAL,
             waiting,
-            "ApprovalRequired" if waiting else "NotWaiting",
+            Reason.APPROVAL_REQUIRED if waiting else Reason.NOT_WAITING,
             one_line(run.wait_reason or "", 300) if waiting else "",
         ),
         Cond(
-            "Completed",
+            CondType.COMPLETED,
             finished,
-            TERMINAL_REASONS.get(run.status, "InProgress"),
+            TERMINAL_REASONS.get(run.status, Reason.IN_PROGRESS),
             message(run) if finished else "",
         ),
         db_condition(db_up),
+        ready_condition(run),
     ]
+
+
+def ready_condition(run: Run) -> Cond:
+    """Ready=True once the run succeeded (``kubectl wait --for=condition=Ready`` waits for
+    success); False with the reason why not yet or never."""
+    if run.status == "succeeded":
+        return Cond(CondType.READY, True, Reason.SUCCEEDED, message(run))
+    if run.status == "waiting_approval":
+        return Cond(CondType.READY, False, Reason.WAITING_FOR_APPROVAL, message(run))
+    return Cond(
+        CondType.READY, False, TERMINAL_REASONS.get(run.status, Reason.IN_PROGRESS), message(run)
+    )
+
+
+def not_ready(reason: str, why: str) -> Cond:
+    """Ready=False before a run exists (unknown Agent, invalid spec)."""
+    return Cond(CondType.READY, False, reason, one_line(why, 300))
 
 
 def db_condition(up: bool) -> Cond:
     return Cond(
-        "DatabaseAvailable",
+        CondType.DATABASE_AVAILABLE,
         up,
-        "Connected" if up else "DatabaseUnavailable",
+        Reason.CONNECTED if up else Reason.DATABASE_UNAVAILABLE,
         "" if up else "the operator cannot reach PostgreSQL; retrying with backoff",
     )
 
@@ -131,18 +193,22 @@ def merge_conditions(
 
 
 def set_condition(
-    previous: list[dict[str, Any]] | None, cond: Cond
+    previous: list[dict[str, Any]] | None, cond: Cond, generation: int | None = None
 ) -> list[dict[str, Any]]:
     """``previous`` with one condition set (the others kept as they are)."""
     kept = [c for c in previous or [] if c.get("type") != cond.type]
     old = [c for c in previous or [] if c.get("type") == cond.type]
-    return kept + merge_conditions(old, [cond])
+    return kept + merge_conditions(old, [cond], generation)
 
 
-def status_for(run: Run, *, db_up: bool, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """The whole ``.status`` for ``run`` (``previous``: what the object shows now)."""
+def status_for(
+    run: Run, *, db_up: bool, previous: dict[str, Any] | None, generation: int | None = None
+) -> dict[str, Any]:
+    """The whole ``.status`` for ``run`` (``previous``: what the object shows now;
+    ``generation``: the object's metadata.generation, echoed as observedGeneration)."""
     call = run.pending_call if run.status == "waiting_approval" else None
-    return {
+    return normalised({
+        "observedGeneration": generation,
         "runId": str(run.id),
         "phase": run.status,
         "step": run.next_seq,
@@ -165,15 +231,23 @@ def status_for(run: Run, *, db_up: bool, previous: dict[str, Any] | None) -> dic
         "startedAt": _iso(run.started_at),
         "finishedAt": _iso(run.finished_at),
         "conditions": merge_conditions(
-            (previous or {}).get("conditions"), conditions_for(run, db_up)
+            (previous or {}).get("conditions"), conditions_for(run, db_up), generation
         ),
-    }
+    })
+
+
+def normalised(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` through the CRD's model: known fields only, no ``None`` anywhere."""
+    model = AgentRunStatus.model_validate(status)
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 def same_status(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
-    """Equal but for condition timestamps (which merge_conditions carries over anyway)."""
+    """Equal but for condition timestamps (which merge_conditions carries over anyway) and for
+    absent vs ``None`` fields (the API server drops nulls; a restart must not re-patch)."""
     if a is None:
         return False
+    a, b = normalised(a), normalised(b)
 
     def strip(s: dict[str, Any]) -> dict[str, Any]:
         conds = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
@@ -194,22 +268,32 @@ class Snapshot:
     epoch: int
     worker: str | None
     attempt: int
+    #: The step a waiting run waits on: a new wait (approve, claim, the next irreversible call
+    #: inside one flush window) shows only as a different seq.
+    pending_seq: int | None = None
 
     @classmethod
     def of(cls, run: Run) -> Snapshot:
-        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt)
+        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt, _pending_seq(run))
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> Snapshot | None:
         """From an object's ``.status`` (an operator restart): no event is repeated."""
         if not status or not status.get("phase"):
             return None
+        pending = status.get("pendingApproval") or {}
         return cls(
             str(status["phase"]),
             -1,  # unknown: a claim seen later is told by the worker, not the epoch
             status.get("worker"),
             int(status.get("attempt") or 0),
+            int(pending["seq"]) if pending.get("seq") is not None else None,
         )
+
+
+def _pending_seq(run: Run) -> int | None:
+    call = run.pending_call if run.status == "waiting_approval" else None
+    return int(call["seq"]) if call and call.get("seq") is not None else None
 
 
 @dataclass(frozen=True)
@@ -238,36 +322,40 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
     if claimed_again:
         if old is not None and old.status == "running" and old.worker and old.worker != new.worker:
             out.append(Event(
-                "Warning", "Resumed",
+                "Warning", Reason.RESUMED,
                 f"{old.worker} stopped renewing its lease; resumed by {new.worker} at step "
                 f"{run.next_seq} (attempt {run.attempt})",
             ))
         elif run.lease_epoch > 1:  # every claim bumps the epoch; a release keeps the attempt
             out.append(Event(
-                "Normal", "Resumed", f"resumed by {new.worker} at step {run.next_seq}"
+                "Normal", Reason.RESUMED, f"resumed by {new.worker} at step {run.next_seq}"
                 f" (attempt {run.attempt})",
             ))
         else:
-            out.append(Event("Normal", "Claimed", f"claimed by {new.worker}"))
-    if new.status != (old.status if old else None):
-        if new.status == "waiting_approval":
-            call = run.pending_call or {}
+            out.append(Event("Normal", Reason.CLAIMED, f"claimed by {new.worker}"))
+    waits_anew = new.status == "waiting_approval" and (
+        old is None or old.status != new.status or old.pending_seq != new.pending_seq
+    )
+    if waits_anew:
+        call = run.pending_call or {}
+        out.append(Event(
+            "Warning", Reason.WAITING_FOR_APPROVAL,
+            one_line(f"{run.wait_reason or 'approval required'}; decide with: kubectl annotate "
+                     f"agentrun {run.k8s_name} -n {run.k8s_namespace} "
+                     f"agentrun.dev/approve={call.get('seq')} "
+                     f"(or agentrun.dev/reject={call.get('seq')})", 1000),
+        ))
+    elif new.status != (old.status if old else None):
+        if new.status == "dead_letter":
             out.append(Event(
-                "Warning", "WaitingForApproval",
-                one_line(f"{run.wait_reason or 'approval required'}; decide with: kubectl annotate "
-                         f"agentrun {run.k8s_name} agentrun.dev/approve={call.get('seq')} "
-                         f"(or agentrun.dev/reject={call.get('seq')})", 1000),
-            ))
-        elif new.status == "dead_letter":
-            out.append(Event(
-                "Warning", "DeadLettered",
+                "Warning", Reason.DEAD_LETTERED,
                 one_line(f"gave up after {run.attempt} attempts: {run.error or ''}", 1000),
             ))
         elif new.status == "succeeded":
-            out.append(Event("Normal", "Finished", one_line(
+            out.append(Event("Normal", Reason.FINISHED, one_line(
                 f"succeeded after {run.next_seq} steps: {run.result or ''}", 1000)))
         elif new.status == "failed":
-            out.append(Event("Warning", "Failed", one_line(run.error or "failed", 1000)))
+            out.append(Event("Warning", Reason.FAILED, one_line(run.error or "failed", 1000)))
         elif new.status == "cancelled":
-            out.append(Event("Normal", "Cancelled", one_line(run.error or "cancelled", 1000)))
+            out.append(Event("Normal", Reason.CANCELLED, one_line(run.error or "cancelled", 1000)))
     return out

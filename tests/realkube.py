@@ -5,7 +5,8 @@ Where the API server comes from, in this order:
 * ``AGENTRUN_TEST_KUBECONFIG=PATH``: a cluster of yours (kind, k3d, a dev cluster). The tests
   create namespaces ``agentrun-t-*`` and cluster-scoped RBAC objects named ``agentrun-t-*``,
   apply agentrun's CRDs server-side, and delete what they created (the CRDs stay).
-* ``AGENTRUN_K8S_HOME=DIR``, or ``../shared/k8s`` beside the repository: a folder holding
+* ``AGENTRUN_K8S_HOME=DIR``, or ``shared/k8s`` beside the repository (or beside a folder above
+  it): a folder holding
   ``control-plane.sh`` (etcd, kube-apiserver and kube-controller-manager v1.36 on 127.0.0.1),
   started once per test session (per xdist worker) and stopped by its own pids at the end.
 
@@ -45,7 +46,10 @@ TEST_PREFIX = "agentrun-t-"
 
 def _k8s_home() -> Path | None:
     configured = os.environ.get("AGENTRUN_K8S_HOME")
-    candidates = [Path(configured)] if configured else [ROOT.parent / "shared" / "k8s"]
+    # Else a shared/k8s beside the repository or beside any folder above it (a worktree or a CI
+    # clone may sit deeper than the usual checkout).
+    candidates = [Path(configured)] if configured else [
+        parent / "shared" / "k8s" for parent in ROOT.parents]
     for c in candidates:
         if (c / "control-plane.sh").exists():
             return c

@@ -6,7 +6,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from agentrun.operator.status import Snapshot, status_for, transitions
+from agentrun.operator.status import Snapshot, same_status, status_for, transitions
 from agentrun.store import Run
 
 
@@ -53,7 +53,7 @@ def test_terminal_transitions_and_the_approval_wait() -> None:
     [(kind, reason)] = reasons(Snapshot("running", 1, "w1", 1), waiting)
     assert (kind, reason) == ("Warning", "WaitingForApproval")
     message = transitions(Snapshot("running", 1, "w1", 1), waiting)[0].message
-    assert "kubectl annotate agentrun r agentrun.dev/approve=1" in message
+    assert "kubectl annotate agentrun r -n default agentrun.dev/approve=1" in message
     for status, expected in (("succeeded", "Finished"), ("failed", "Failed"),
                              ("cancelled", "Cancelled"), ("dead_letter", "DeadLettered")):
         ended = run(status=status, lease_epoch=1, attempt=1, next_seq=2)
@@ -68,6 +68,49 @@ def test_status_is_stable_and_truncates_long_text() -> None:
     assert first == again  # condition timestamps carried over: nothing to patch
     assert len(first["result"]) == 1024 and first["tokens"] == {"input": 10, "output": 2}
     assert [c["type"] for c in first["conditions"]] == [
-        "Accepted", "WaitingForApproval", "Completed", "DatabaseAvailable"]
+        "Accepted", "WaitingForApproval", "Completed", "DatabaseAvailable", "Ready"]
+    assert first["conditions"][4]["status"] == "True"
     down = status_for(done, db_up=False, previous=first)
     assert down["conditions"][3]["status"] == "False"
+
+
+def test_ready_is_true_only_once_the_run_succeeded() -> None:
+    def ready(**fields: Any) -> tuple[str, str]:
+        [c] = [c for c in status_for(run(**fields), db_up=True, previous=None)["conditions"]
+               if c["type"] == "Ready"]
+        return c["status"], c["reason"]
+
+    assert ready(status="pending") == ("False", "InProgress")
+    assert ready(status="running", lease_owner="w") == ("False", "InProgress")
+    assert ready(status="waiting_approval", pending_call={"seq": 1}) == (
+        "False", "WaitingForApproval")
+    assert ready(status="failed", error="boom") == ("False", "Failed")
+    assert ready(status="succeeded", result="ok") == ("True", "Succeeded")
+
+
+def test_a_status_read_back_without_its_null_fields_is_the_same_status() -> None:
+    # B5: the API server drops null fields; comparing the object's status (keys absent) with
+    # a freshly computed one (keys None) found a difference on every restart.
+    pending = run(status="pending")
+    computed = status_for(pending, db_up=True, previous=None, generation=1)
+    assert all(v is not None for v in computed.values())
+    read_back = {k: v for k, v in computed.items()}
+    read_back["worker"] = None
+    read_back["pendingApproval"] = None
+    assert same_status(read_back, status_for(pending, db_up=True, previous=read_back,
+                                             generation=1))
+    assert computed["observedGeneration"] == 1
+    assert {c["observedGeneration"] for c in computed["conditions"]} == {1}
+
+
+def test_a_new_approval_wait_inside_one_flush_window_is_its_own_event() -> None:
+    # B6: approve step 1 -> claim -> wait on step 3, all between two flushes: the mirror sees
+    # waiting_approval twice, only the seq differs.
+    first = Snapshot("waiting_approval", 1, None, 1, 1)
+    again = run(status="waiting_approval", lease_epoch=2, attempt=1, next_seq=4,
+                wait_reason="approval required before drop_table (step 3)",
+                pending_call={"seq": 3, "tool": "drop_table", "input": {}})
+    assert reasons(first, again) == [("Warning", "WaitingForApproval")]
+    assert "approve=3" in transitions(first, again)[0].message
+    same = Snapshot.of(again)
+    assert reasons(same, again) == []

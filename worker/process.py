@@ -35,7 +35,7 @@ import psycopg
 from aiohttp import web
 from psycopg_pool import PoolTimeout
 
-from agentrun.errors import LeaseLost, RunCancelled
+from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
 from agentrun.tools import ToolRegistry
@@ -182,10 +182,22 @@ class Worker:
     async def _start_health(self) -> web.AppRunner | None:
         if self.settings.health_port is None:
             return None
+        host, port = self.settings.health_host, self.settings.health_port
         runner = web.AppRunner(make_app(self.health), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.settings.health_host, self.settings.health_port)
-        await site.start()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            # `agentrun worker` checked the port at start-up; this is it being taken since (or a
+            # Worker built in-process). One line and exit 2, not a traceback; nothing was
+            # claimed yet.
+            await runner.cleanup()
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise ConfigError(
+                f"--health-port {port} (AGENTRUN_HEALTH_PORT): cannot listen on {host} "
+                f"({reason}); free it or choose another port (-1 turns it off)"
+            ) from None
         server = site._server
         if server is not None and getattr(server, "sockets", None):
             self.health_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import faulthandler
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -194,6 +196,50 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Where the servers bind: the worker's health server (WorkerSettings.health_host), kopf's
+#: liveness endpoint (the URL cmd_operator gives it) and prometheus_client's start_http_server.
+LISTEN_HOST = "0.0.0.0"
+
+
+def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN_HOST) -> None:
+    """Bind each (option, env var, port) as its server will, then let it go.
+
+    A taken port used to surface only once the server started: a traceback (the worker, kopf's
+    liveness endpoint) or, for the operator's metrics, a startup handler that kopf retried every
+    minute while the operator handled nothing. Checked first, it is one line and exit 2 before
+    anything starts. None (-1, off) and 0 (any free port) cannot be taken."""
+    seen: dict[int, str] = {}
+    for option, env, port in ports:
+        if not port:
+            continue
+        setting = f"{option} {port} ({env})"
+        if port in seen:
+            raise ConfigError(f"{setting} is also {seen[port]}; choose another port")
+        seen[port] = option
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As aiohttp and http.server do: a port left in TIME_WAIT by a previous process is
+            # free to them, so it must not count as taken here.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                sock.listen(1)
+            except OverflowError:
+                raise ConfigError(
+                    f"{setting} is not a port; choose 1-65535, 0 for any, -1 to turn it off"
+                ) from None
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"{setting} is already in use on {host}; free it or choose another "
+                        "port (-1 turns it off)"
+                    ) from None
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise ConfigError(
+                    f"{setting}: cannot listen on {host} ({reason}); choose another port "
+                    "(-1 turns it off)"
+                ) from None
+
+
 def make_client() -> anthropic.AsyncAnthropic:
     import anthropic  # 2.7 s to import: only the worker pays it, not runs/steps/cancel
 
@@ -214,6 +260,9 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    health_port = None if args.health_port < 0 else args.health_port
+    # Before the tools, the database and the first claim: a taken port stops nothing midway.
+    check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
     loaded = load_tool_modules(args.tools)
     client = make_client()
     url = database_url()
@@ -226,7 +275,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         drain_grace=args.drain_grace,
         liveness_threshold=args.liveness_threshold,
-        health_port=None if args.health_port < 0 else args.health_port,
+        health_port=health_port,
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries),
     )
@@ -254,7 +303,8 @@ async def cmd_operator(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_format, args.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    settings = OperatorSettings.from_env(database_url())
+    # The database URL comes after the port check: resolving it may start the embedded server.
+    settings = OperatorSettings.from_env(database_url="")
     overrides: dict[str, Any] = {}
     if args.pools_file:
         overrides["pools"] = load_pools(args.pools_file)
@@ -267,6 +317,15 @@ async def cmd_operator(args: argparse.Namespace) -> int:
     if args.health_port is not None:
         overrides["health_port"] = None if args.health_port < 0 else args.health_port
     settings = dataclasses.replace(settings, **overrides)
+    # Before kopf starts (it binds the health port, the startup handler the metrics port) and
+    # before anything reaches Kubernetes or PostgreSQL.
+    check_ports(
+        [
+            ("--health-port", "AGENTRUN_HEALTH_PORT", settings.health_port),
+            ("--metrics-port", "AGENTRUN_METRICS_PORT", settings.metrics_port),
+        ]
+    )
+    settings = dataclasses.replace(settings, database_url=database_url())
     log = logging.getLogger("agentrun.operator")
     log.info(
         "operator: %s, pools %s, database %s",
@@ -275,15 +334,26 @@ async def cmd_operator(args: argparse.Namespace) -> int:
         redact_url(settings.database_url),
     )
     port = settings.health_port
-    liveness = f"http://0.0.0.0:{port}/healthz" if port is not None else None
+    liveness = f"http://{LISTEN_HOST}:{port}/healthz" if port is not None else None
     # One replica, standalone (no kopf peering): see docs/operator.md for the trade-off.
-    await kopf.operator(
-        registry=build_registry(settings),
-        standalone=True,
-        clusterwide=not settings.namespaces,
-        namespaces=settings.namespaces,
-        liveness_endpoint=liveness,
-    )
+    try:
+        await kopf.operator(
+            registry=build_registry(settings),
+            standalone=True,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            liveness_endpoint=liveness,
+        )
+    except Exception as exc:
+        # A startup handler that turns a ConfigError (the metrics port taken since the check)
+        # into kopf.PermanentError stops kopf with ActivityError <- PermanentError <-
+        # ConfigError: that is still one line and exit 2, not kopf's traceback.
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
     return 0
 
 

@@ -1,14 +1,17 @@
 """The tools of ``agentrun demo``: a migration agent working on a "production" table.
 
 Production is the schema ``demo_production`` in the database named by AGENTRUN_DEMO_PRODUCTION_URL
-(the demo sets it). ``write_production`` is non-idempotent (ALTER TABLE twice fails, an UPDATE
-twice is two writes), so it does what the seed tells a tool owner to do: the effect and a ledger row
-keyed by ``ctx.idempotency_key`` commit in one transaction, and a second call with the same key
-returns the recorded result instead of writing again. The ledger is what the demo prints.
+(the demo sets it), else in the run store's own database. The first call creates it if missing
+(1000 orders and an empty ledger); ``agentrun demo`` resets it. ``write_production`` is
+non-idempotent (ALTER TABLE twice fails, an UPDATE twice is two writes), so it does what the seed
+tells a tool owner to do: the effect and a ledger row keyed by ``ctx.idempotency_key`` commit in
+one transaction, and a second call with the same key returns the recorded result instead of
+writing again. The ledger is what the demo prints.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import psycopg
@@ -17,28 +20,89 @@ from psycopg import sql
 from agentrun.tools import ToolContext, ToolError, tool
 
 SCHEMA = "demo_production"
+SEED_ROWS = 1000
+#: Serialises creating the schema (an arbitrary key; the store's migrations use another).
+PRODUCTION_LOCK = 0x64656D6F  # "demo"
+
+
+def _production_url() -> str:
+    """AGENTRUN_DEMO_PRODUCTION_URL (``agentrun demo`` sets it), else the run store's database:
+    AGENTRUN_DATABASE_URL, or the embedded server when it is unset (the README's worker)."""
+    override = os.environ.get("AGENTRUN_DEMO_PRODUCTION_URL")
+    if override:
+        return override
+    return _store_url()
+
+
+@functools.cache
+def _store_url() -> str:
+    # Cached: with AGENTRUN_DATABASE_URL unset this finds the embedded server, too slow per call.
+    from agentrun.embedded import database_url
+
+    return database_url(quiet=True)
 
 
 def _connect() -> psycopg.Connection[tuple[object, ...]]:
-    url = os.environ.get("AGENTRUN_DEMO_PRODUCTION_URL") or os.environ["AGENTRUN_DATABASE_URL"]
-    conn = psycopg.connect(url)
+    conn = psycopg.connect(_production_url())
+    _ensure_production(conn)
     conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(SCHEMA)))
     return conn
 
 
-def setup_production(url: str, rows: int = 1000) -> None:
+def _ensure_production(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+    """Create the schema on first use, so a worker started by hand with ``--tools
+    agentrun.demo_tools`` works without ``agentrun demo`` having run first (every call used to
+    fail on the missing schema while the run still ended "succeeded").
+
+    The check without the lock is the common case (one query); creating takes the lock, so
+    workers that start at once neither race on CREATE nor seed the orders twice."""
+    with conn.transaction():
+        if {"orders", "write_ledger"} <= _tables(conn):
+            return
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (PRODUCTION_LOCK,))
+        # Asked again under the lock: another worker may have just created it.
+        _create_production(conn, seed="orders" not in _tables(conn))
+
+
+def _tables(conn: psycopg.Connection[tuple[object, ...]]) -> set[str]:
+    # A query of pg_tables, not to_regclass(): that goes through the catalog cache, which still
+    # said "no such schema" after the lock was granted, so every waiting worker seeded again.
+    rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (SCHEMA,))
+    return {str(r[0]) for r in rows}
+
+
+def setup_production(url: str, rows: int = SEED_ROWS) -> None:
     """(Re)create the demo's production schema: an orders table and an empty ledger."""
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(url) as conn, conn.transaction():
+        # Same lock as _ensure_production: a worker creating it at this moment waits for us.
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (PRODUCTION_LOCK,))
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(SCHEMA)))
-        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(SCHEMA)))
-        conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, amount numeric NOT NULL)")
+        _create_production(conn, seed=True, rows=rows)
+
+
+def _create_production(
+    conn: psycopg.Connection[tuple[object, ...]], *, seed: bool, rows: int = SEED_ROWS
+) -> None:
+    """Whatever of the schema is missing (IF NOT EXISTS), in the caller's transaction, which
+    holds PRODUCTION_LOCK; ``seed``: orders is new, fill it."""
+    schema = sql.Identifier(SCHEMA)
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {}.orders (id serial PRIMARY KEY, amount numeric NOT NULL)"
+        ).format(schema)
+    )
+    if seed:
         conn.execute(
-            "INSERT INTO orders (amount) SELECT (g %% 97) + 0.5 FROM generate_series(1, %s) g",
+            sql.SQL(
+                "INSERT INTO {}.orders (amount) "
+                "SELECT (g %% 97) + 0.5 FROM generate_series(1, %s) g"
+            ).format(schema),
             (rows,),
         )
-        conn.execute(
-            """CREATE TABLE write_ledger (
+    conn.execute(
+        sql.SQL(
+            """CREATE TABLE IF NOT EXISTS {}.write_ledger (
                    idempotency_key text PRIMARY KEY,
                    run_id text NOT NULL,
                    seq integer NOT NULL,
@@ -46,7 +110,8 @@ def setup_production(url: str, rows: int = 1000) -> None:
                    rows_affected integer NOT NULL,
                    pid integer NOT NULL,
                    written_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
-        )
+        ).format(schema)
+    )
 
 
 def _check_table(table: str) -> None:

@@ -9,14 +9,52 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from agentrun.errors import ConfigError
 
 API_VERSION = "agentrun.dev/v1alpha1"
+
+
+#: Bounds of the free strings. They keep an object well inside what etcd, kubectl's
+#: last-applied annotation and the operator's bookkeeping can hold (a 300 KB task was admitted
+#: and wedged the operator), and they bound the cost the API server estimates for the CRDs' CEL
+#: rules (``self == oldSelf`` compares every string). Counted in characters, as Kubernetes'
+#: maxLength and pydantic's max_length both count them.
+MAX_TEXT = 65536  # task, system prompt
+MAX_NAME = 253  # a Kubernetes object name (DNS subdomain); also a model id
+MAX_TOOLS = 128
+#: The worker registry's tool names (agentrun.tools._TOOL_NAME_RE): no other name can be served.
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]+$"
+MAX_TOOL_NAME = 64
+#: A pool names a worker Deployment and a label value: a DNS label.
+POOL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_POOL = 63
+
+#: The rules JSON schema cannot say; the CRDs state them as CEL (agentrun.operator.crds) with
+#: these messages, so ``kubectl apply`` and ``agentrun submit -f`` word a refusal alike.
+NEITHER_MESSAGE = "give name (an Agent in this namespace) or an inline agent with model"
+REFERENCE_MESSAGE = (
+    "a reference (name) takes no inline agent fields ({fields}): set them on the Agent, or drop "
+    "name to run an inline agent; spec.pool overrides the Agent's pool"
+)
+BUDGET_MESSAGE = (
+    "must be less than maxTokens ({max_tokens}): the Messages API requires "
+    "budget_tokens < max_tokens"
+)
 
 
 class _Spec(BaseModel):
@@ -27,17 +65,26 @@ class ThinkingSpec(_Spec):
     budget_tokens: int = Field(
         alias="budgetTokens",
         ge=1024,
-        description="Extended thinking budget in tokens (at least 1024).",
+        description="Extended thinking budget in tokens (at least 1024, less than maxTokens).",
     )
+
+
+ToolName = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_NAME, pattern=TOOL_NAME_PATTERN)]
 
 
 class AgentSpec(_Spec):
     """What an agent sends besides its conversation. Pinned into every run created from it."""
 
-    model: str = Field(min_length=1, description="Model id, pinned into every run.")
-    system: str = Field("", description="System prompt, pinned into every run.")
-    tools: list[str] = Field(
-        default_factory=list, description="Names of tools the worker registry provides."
+    model: str = Field(
+        min_length=1, max_length=MAX_NAME, description="Model id, pinned into every run."
+    )
+    system: str = Field(
+        "", max_length=MAX_TEXT, description="System prompt, pinned into every run."
+    )
+    tools: list[ToolName] = Field(
+        default_factory=list,
+        max_length=MAX_TOOLS,
+        description="Names of tools the worker registry provides.",
     )
     max_tokens: int = Field(
         8192, alias="maxTokens", ge=1, le=128000, description="max_tokens of each model call."
@@ -46,8 +93,9 @@ class AgentSpec(_Spec):
     pool: str = Field(
         "default",
         min_length=1,
-        max_length=63,
-        description="Worker pool that runs this agent's runs.",
+        max_length=MAX_POOL,
+        pattern=POOL_PATTERN,
+        description="Worker pool that runs this agent's runs (a DNS label).",
     )
     require_approval: bool = Field(
         False,
@@ -56,20 +104,62 @@ class AgentSpec(_Spec):
         "agentrun.dev/approve annotation) before it runs.",
     )
 
+    @field_validator("thinking")
+    @classmethod
+    def _budget_below_max_tokens(
+        cls, thinking: ThinkingSpec | None, info: ValidationInfo
+    ) -> ThinkingSpec | None:
+        max_tokens = info.data.get("max_tokens")  # absent when maxTokens itself was invalid
+        if thinking is not None and max_tokens is not None and thinking.budget_tokens >= max_tokens:
+            # Raised as a ValidationError so the error's location is the field itself
+            # (…thinking.budgetTokens), as the API server's fieldPath names it.
+            raise ValidationError.from_exception_data(
+                "ThinkingSpec",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "budget_tokens", BUDGET_MESSAGE, {"max_tokens": max_tokens}
+                        ),
+                        loc=("budgetTokens",),
+                        input=thinking.budget_tokens,
+                    )
+                ],
+            )
+        return thinking
+
     def pinned(self) -> dict[str, Any]:
         """The JSON stored on the run row (camelCase, as in the manifest)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+def inline_fields() -> list[str]:
+    """The inline agent's fields as a manifest spells them (camelCase)."""
+    return [f.alias or name for name, f in AgentSpec.model_fields.items()]
+
+
 class AgentRef(_Spec):
-    name: str = Field(min_length=1, description="Name of an Agent in the same namespace.")
+    name: str = Field(
+        min_length=1, max_length=MAX_NAME, description="Name of an Agent in the same namespace."
+    )
+
+
+def _agent_kind(value: Any) -> str:
+    """Which member of the agent union validates ``value``: only its errors are reported, not
+    both members' (an inline agent's bad budget is not also "name: Field required")."""
+    if isinstance(value, AgentRef) or (isinstance(value, dict) and "name" in value):
+        return "AgentRef"
+    return "AgentSpec"
 
 
 class AgentRunSpec(_Spec):
-    agent: AgentRef | AgentSpec = Field(
-        description="A reference {name: ...} to an Agent, or an inline agent spec."
+    # The tags are the class names: error locations drop them (see _fmt_errors).
+    agent: Annotated[
+        Annotated[AgentRef, Tag("AgentRef")] | Annotated[AgentSpec, Tag("AgentSpec")],
+        Discriminator(_agent_kind),
+    ] = Field(description="A reference {name: ...} to an Agent, or an inline agent spec.")
+    task: str = Field(
+        min_length=1, max_length=MAX_TEXT, description="The task: the first user message."
     )
-    task: str = Field(min_length=1, description="The task: the first user message.")
     max_steps: int = Field(
         50,
         alias="maxSteps",
@@ -84,7 +174,35 @@ class AgentRunSpec(_Spec):
         le=100,
         description="Claims allowed before the run is dead-lettered.",
     )
-    pool: str | None = Field(None, description="Overrides the agent's pool.")
+    pool: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_POOL,
+        pattern=POOL_PATTERN,
+        description="Overrides the agent's pool (a DNS label).",
+    )
+
+    @field_validator("agent", mode="before")
+    @classmethod
+    def _reference_or_inline(cls, value: Any) -> Any:
+        # Before the union: a reference with inline fields would otherwise fail as AgentRef with
+        # "extra inputs", one field at a time, without saying why.
+        if not isinstance(value, dict):
+            return value
+        if "name" not in value and "model" not in value:
+            raise PydanticCustomError("agent_kind", NEITHER_MESSAGE)
+        if "name" in value:
+            # Either spelling: the models populate by field name too.
+            inline = [
+                f.alias or name
+                for name, f in AgentSpec.model_fields.items()
+                if name in value or f.alias in value
+            ]
+            if inline:
+                raise PydanticCustomError(
+                    "agent_kind", REFERENCE_MESSAGE, {"fields": ", ".join(inline)}
+                )
+        return value
 
 
 class Metadata(BaseModel):

@@ -1,0 +1,747 @@
+"""The operator, for real: ``agentrun operator`` processes (kopf) against a real kube-apiserver
+1.36 (tests/realkube.py), authenticated with the token of the chart's own operator ServiceAccount
+(the chart is ``helm install``-ed into the test's namespace, so RBAC is the chart's), and a real
+PostgreSQL. Runs advance through store calls (deterministic) or a real worker.
+
+Each test has its own namespace, release, database and operator; every process is stopped by its
+pid, and no operator may log a Forbidden (the chart's RBAC must be enough).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import yaml
+from conftest import run_cli
+from kubekit import Operators, agent_manifest, agentrun_manifest, eventually
+from proxykit import TcpProxy
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from realkube import Kube, Release, install_chart
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
+
+from agentrun.migrations import latest_version, schema_version
+from agentrun.store import Run, Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Chart values of the release each test installs: the default pool autoscaled with small
+#: numbers, so scaling is seen within seconds.
+CHART_VALUES = (
+    "workers.poolDefaults.autoscaling.runsPerWorker=2",
+    "workers.poolDefaults.autoscaling.maxReplicas=3",
+    "workers.poolDefaults.autoscaling.scaleDownDelaySeconds=3",
+)
+
+
+@dataclass
+class _Kubeconfig:
+    """What kubekit.Operators asks of a cluster: a kubeconfig (here the operator SA's)."""
+
+    path: Path
+
+    def kubeconfig(self, directory: Path) -> Path:
+        return self.path
+
+
+@dataclass
+class NsOperators(Operators):
+    """Operators watching the test's namespace only (the chart's ClusterRole would let them
+    see every namespace; other tests' objects are not theirs)."""
+
+    namespace: str = ""
+
+    def start(self, *, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+        return super().start(
+            env={"AGENTRUN_WATCH_NAMESPACES": self.namespace, **(env or {})}, **kwargs
+        )
+
+
+@pytest.fixture
+def release(kube: Kube) -> Iterator[Release]:
+    # Installed the way the operator runs here: watching this namespace only (a cluster-wide
+    # operator would take other tests' objects); tests/test_k8s_helm.py covers cluster-wide.
+    rel = install_chart(kube, kube.namespace, *CHART_VALUES,
+                        f"operator.watchNamespaces={{{kube.namespace}}}")
+    try:
+        yield rel
+    finally:
+        kube.helm("uninstall", rel.name, "-n", kube.namespace, "--wait=false", check=False)
+
+
+@pytest.fixture
+def cluster(kube: Kube) -> Kube:
+    return kube
+
+
+@pytest.fixture
+def operators(
+    kube: Kube, release: Release, database_url: str, tmp_path: Path
+) -> Iterator[NsOperators]:
+    kubeconfig = release.kubeconfig_for(release.operator_sa, tmp_path)
+    ops = NsOperators(_Kubeconfig(kubeconfig), database_url, tmp_path,  # type: ignore[arg-type]
+                      namespace=kube.namespace)
+    try:
+        yield ops
+    finally:
+        ops.stop_all()
+    for p in ops.procs:
+        out = p.output()
+        assert "Forbidden" not in out and " 403" not in out, (
+            "the operator was refused by the chart's RBAC:\n" + out[-3000:])
+
+
+def status(cluster: Kube, name: str) -> dict[str, Any]:
+    return dict((cluster.agentrun(name) or {}).get("status") or {})
+
+
+def condition(cluster: Kube, name: str, ctype: str) -> dict[str, Any] | None:
+    for c in status(cluster, name).get("conditions") or []:
+        if c["type"] == ctype:
+            return dict(c)
+    return None
+
+
+async def run_of(store: Store, cluster: Kube, name: str) -> Run:
+    rid = await eventually(lambda: status(cluster, name).get("runId"), 30, f"{name} to get a run")
+    return await store.get_run(rid)
+
+
+def kopf_retries(cluster: Kube, name: str) -> int:
+    """How often kopf has retried the create handler (its progress annotation)."""
+    annotations = ((cluster.agentrun(name) or {}).get("metadata") or {}).get("annotations") or {}
+    progress = annotations.get("operator.agentrun.dev/run")
+    return int(json.loads(progress).get("retries") or 0) if progress else 0
+
+
+async def count_runs(store: Store, uid: str) -> int:
+    async with store.pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM agent_run WHERE k8s_uid = %s", (uid,))
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_apply_creates_one_run_even_when_the_create_handler_runs_twice(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # The first operator dies (SIGKILL) right after the insert, before kopf records that the
+    # handler succeeded; the next one runs the create handler again and must find the same row.
+    first = operators.start(env={"AGENTRUN_TEST_FAULTS": "operator_after_create_run@0"})
+    cluster.apply_agent(agent_manifest())
+    obj = cluster.apply_agentrun(agentrun_manifest("once"))
+    uid = obj["metadata"]["uid"]
+    await asyncio.to_thread(first.popen.wait, 30)
+    assert first.popen.returncode == -9
+    assert await count_runs(store, uid) == 1
+    assert "runId" not in status(cluster, "once")  # kopf never finished the handler
+
+    operators.start()
+    run = await run_of(store, cluster, "once")
+    assert run.k8s_uid == uid and run.k8s_name == "once" and run.k8s_namespace == cluster.namespace
+    assert run.agent_spec["system"] == "You echo carefully."  # the Agent was resolved and pinned
+    assert await count_runs(store, uid) == 1
+    assert status(cluster, "once")["phase"] == "pending"
+    assert condition(cluster, "once", "Accepted") == {
+        **(condition(cluster, "once", "Accepted") or {}),
+        "status": "True",
+        "reason": "RunCreated",
+    }
+
+
+async def test_status_follows_the_run_and_events_mark_its_transitions(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    op = operators.start()
+    cluster.apply_agentrun(agentrun_manifest(
+        "follow", agent={"model": "claude-sonnet-4-5", "tools": ["echo"]}, maxAttempts=2))
+    run = await run_of(store, cluster, "follow")
+    assert status(cluster, "follow")["model"] == "claude-sonnet-4-5"
+
+    # Claimed by a, two steps, then a goes silent: its lease runs out, b resumes.
+    [(_, lease_a)] = (await store.claim("default", "worker-a", ttl=0.5)).claimed
+    await eventually(lambda: status(cluster, "follow").get("phase") == "running", 10, "running")
+    assert status(cluster, "follow")["worker"] == "worker-a"
+    turn = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
+    await store.append_step(
+        lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7, ttl=0.5
+    )
+    await store.append_step(lease_a, 1, "tool_result", {"content": []}, ttl=0.5)
+    # Steps are not notified; the resync (1 s in tests) brings them.
+    await eventually(lambda: status(cluster, "follow").get("step") == 2, 10, "step 2")
+    assert status(cluster, "follow")["tokens"] == {"input": 120, "output": 7}
+    await asyncio.sleep(0.6)
+    [(_, lease_b)] = (await store.claim("default", "worker-b", ttl=30)).claimed
+    await eventually(lambda: status(cluster, "follow").get("worker") == "worker-b", 10, "worker b")
+    assert status(cluster, "follow")["attempt"] == 2
+    await store.append_step(lease_b, 2, "model_turn", turn)
+    await store.finish(lease_b, "succeeded", result="All done: the region column exists.")
+    await eventually(lambda: status(cluster, "follow").get("phase") == "succeeded", 10, "done")
+    s = status(cluster, "follow")
+    assert (s["step"], s["attempt"], s["result"]) == (3, 2, "All done: the region column exists.")
+    assert s["finishedAt"] and s["startedAt"] and s.get("worker") is None
+    assert condition(cluster, "follow", "Completed")["reason"] == "Succeeded"  # type: ignore[index]
+
+    await eventually(lambda: "Finished" in cluster.reasons("follow"), 10, "the Finished event")
+    # A real API server lists Events by name, not in order: compare them as a set.
+    listed = cluster.events("follow")
+    events = {e["reason"]: e for e in listed}
+    assert sorted(e["reason"] for e in listed) == ["Claimed", "Created", "Finished", "Resumed"]
+    # B15: one source for every Event of the object, the operator's (none from kopf).
+    assert {(e["source"].get("component"), e.get("reportingComponent")) for e in listed} == {
+        ("agentrun-operator", "agentrun-operator")}
+    assert events["Resumed"]["type"] == "Warning"
+    resumed = events["Resumed"]["message"]
+    assert "worker-a stopped renewing its lease; resumed by worker-b" in resumed
+
+    # Metrics: the finished run's steps and attempts, runs by status.
+    await eventually(
+        lambda: op.metric("agentrun_runs", pool="default", status="succeeded") == 1, 10, "gauge"
+    )
+    assert op.metric("agentrun_run_steps_count", pool="default") == 1
+    assert op.metric("agentrun_run_attempts_sum", pool="default") == 2
+    assert (op.metric("agentrun_status_patches_total") or 0) >= 4
+    assert run.id == (await store.get_run(run.id)).id
+
+
+async def test_a_real_worker_runs_an_applied_agentrun_to_its_result(
+    cluster: Kube, operators: NsOperators, store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    srv = fake(echo_scenario(3))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    operators.start()
+    cluster.apply_agent(agent_manifest(thinking={"budgetTokens": 1024}))
+    cluster.apply_agentrun(agentrun_manifest("real"))
+    run = await run_of(store, cluster, "real")
+    w = workers.start("w1", lease_ttl=5)
+    await wait_run(store, run.id, lambda r: r.finished, 60)
+    await eventually(lambda: status(cluster, "real").get("phase") == "succeeded", 15, "mirrored")
+    s = status(cluster, "real")
+    assert s["result"] == "All 3 turns done." and s["step"] == 5 and s["attempt"] == 1
+    assert s["tokens"]["input"] > 0 and s["tokens"]["output"] > 0
+    assert s["promptVersion"] == (await store.get_run(run.id)).prompt_version
+    await eventually(lambda: "Finished" in cluster.reasons("real"), 10, "Finished event")
+    # Claimed may be coalesced away when the run finished within one flush window.
+    assert sorted(cluster.reasons("real")) in (
+        ["Claimed", "Created", "Finished"], ["Created", "Finished"])
+    w.popen.terminate()
+    assert w.wait() == 0
+
+
+async def test_cancel_annotation_cancels_the_run(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("stop-me"))
+    run = await run_of(store, cluster, "stop-me")
+    cluster.annotate("stop-me", {"agentrun.dev/cancel": "true"})
+    await eventually(lambda: status(cluster, "stop-me").get("phase") == "cancelled", 15, "cancel")
+    assert (await store.get_run(run.id)).status == "cancelled"
+    annotations = (cluster.agentrun("stop-me") or {})["metadata"].get("annotations") or {}
+    assert "agentrun.dev/cancel" not in annotations  # consumed
+    await eventually(lambda: "Cancelled" in cluster.reasons("stop-me"), 10, "Cancelled event")
+
+
+async def test_approve_and_reject_annotations_unblock_a_waiting_run(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest(requireApproval=True))
+    for name in ("approve-me", "reject-me"):
+        cluster.apply_agentrun(agentrun_manifest(name))
+    runs = {name: await run_of(store, cluster, name) for name in ("approve-me", "reject-me")}
+    # The operator creates the two runs in whichever order kopf handles the objects: claim both,
+    # then match each lease to its object.
+    leases = {lease.run_id: lease for _, lease in (
+        await store.claim("default", "w", limit=2, ttl=30)).claimed}
+    for run in runs.values():
+        lease = leases[run.id]
+        call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
+                "stage": "before_call"}
+        await store.wait_for_approval(lease, "approval required before drop_table (step 0)", call)
+    for name in runs:
+        await eventually(
+            lambda n=name: status(cluster, n).get("phase") == "waiting_approval", 10, "waiting")
+        pending = status(cluster, name)["pendingApproval"]
+        assert pending == {"seq": 0, "tool": "drop_table", "arguments": '{"table": "orders"}',
+                           "reason": "approval required before drop_table (step 0)"}
+        assert condition(cluster, name, "WaitingForApproval")["status"] == "True"  # type: ignore[index]
+    await eventually(lambda: "WaitingForApproval" in cluster.reasons("approve-me"), 10, "event")
+
+    # A step the run does not wait on is refused, with an Event; the run still waits.
+    cluster.annotate("approve-me", {"agentrun.dev/approve": "3"})
+    await eventually(lambda: "ActionRefused" in cluster.reasons("approve-me"), 10, "refusal")
+    assert (await store.get_run(runs["approve-me"].id)).status == "waiting_approval"
+
+    cluster.annotate("approve-me", {"agentrun.dev/approve": "0"})
+    cluster.annotate("reject-me", {"agentrun.dev/reject": "0"})
+    for name, decision in (("approve-me", "approved"), ("reject-me", "rejected")):
+        run = await wait_run(store, runs[name].id, lambda r: r.status == "pending", 15)
+        approval = await store.get_approval(run.id, 0, 0, "before_call")
+        assert approval is not None and approval.decision == decision
+        assert approval.decided_by == f"annotation on AgentRun {cluster.namespace}/{name}"
+        await eventually(lambda n=name: status(cluster, n).get("phase") == "pending", 10, "mirror")
+        assert status(cluster, name).get("pendingApproval") is None
+    assert "Approved" in cluster.reasons("approve-me")
+    assert "Rejected" in cluster.reasons("reject-me")
+
+
+async def test_delete_lets_the_object_go_at_once_cancels_the_run_and_keeps_the_history(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("gone"))
+    run = await run_of(store, cluster, "gone")
+    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []})
+    obj = cluster.agentrun("gone") or {}
+    assert not obj["metadata"].get("finalizers"), "no finalizer: a delete never waits for us"
+    assert cluster.delete_agentrun("gone") == 200
+    assert cluster.agentrun("gone") is None
+    after = await wait_run(store, run.id, lambda r: r.status == "cancelled", 15)
+    assert f"AgentRun {cluster.namespace}/gone deleted" in (after.error or "")
+    assert [s.seq for s in await store.steps(run.id)] == [0]  # the history stays
+
+
+async def test_unknown_agent_is_a_condition_until_the_agent_exists(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    op = operators.start(env={"AGENTRUN_AGENT_RETRY_DELAY": "1"})
+    cluster.apply_agentrun(agentrun_manifest("orphan", agent={"name": "missing"}))
+    cond = await eventually(lambda: condition(cluster, "orphan", "Accepted"), 15, "condition")
+    assert cond["status"] == "False" and cond["reason"] == "AgentNotFound"
+    assert f"spec.agent.name: no Agent 'missing' in namespace {cluster.namespace}" in (
+        cond["message"])
+    assert "AgentNotFound" in cluster.reasons("orphan")
+    # B11: retried every second, but said once: one Event, one WARNING line, no ERROR lines.
+    await eventually(lambda: kopf_retries(cluster, "orphan") >= 3, 30, "three retries")
+    assert cluster.reasons("orphan").count("AgentNotFound") == 1
+    lines = [ln for ln in op.output().splitlines() if "missing" in ln]
+    assert len(lines) == 1 and "WARNING" in lines[0], lines
+    assert "ERROR" not in op.output()
+    cluster.apply_agent(agent_manifest("missing"))
+    run = await run_of(store, cluster, "orphan")
+    assert run.agent_spec["model"] == "claude-sonnet-4-5"
+    accepted = condition(cluster, "orphan", "Accepted") or {}
+    assert accepted.get("status") == "True"
+
+
+async def test_dead_lettered_run_gets_a_warning_event(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("poison", maxAttempts=1))
+    await run_of(store, cluster, "poison")
+    await store.claim("default", "w1", ttl=0.3)
+    await asyncio.sleep(0.5)
+    result = await store.claim("default", "w2", ttl=30)
+    assert [r.k8s_name for r in result.dead_lettered] == ["poison"]
+    await eventually(lambda: status(cluster, "poison").get("phase") == "dead_letter", 10, "dl")
+    await eventually(lambda: "DeadLettered" in cluster.reasons("poison"), 10, "event")
+    assert status(cluster, "poison")["message"].startswith("gave up after 1 attempts")
+
+
+async def test_database_outage_is_a_condition_and_the_operator_recovers_without_restart(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
+    try:
+        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=proxy.port)
+        op = operators.start()
+        cluster.apply_agent(agent_manifest())
+        cluster.apply_agentrun(agentrun_manifest("steady"))
+        run = await run_of(store, cluster, "steady")
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 1, 10, "db up")
+
+        proxy.cut()
+        cond = await eventually(
+            lambda: (c := condition(cluster, "steady", "DatabaseAvailable")) and
+            c["status"] == "False" and c, 20, "the DatabaseAvailable=False condition")
+        assert cond["reason"] == "DatabaseUnavailable"
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 0, 10, "db_up 0")
+        # The run moves on meanwhile (workers reach the database; the operator does not).
+        [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+        await store.finish(lease, "succeeded", result="done while the operator was blind")
+
+        proxy.restore()
+        await eventually(lambda: status(cluster, "steady").get("phase") == "succeeded", 30,
+                         "the run's end mirrored after the outage")
+        await eventually(
+            lambda: (condition(cluster, "steady", "DatabaseAvailable") or {}).get("status")
+            == "True", 10, "DatabaseAvailable=True")
+        assert op.metric("agentrun_operator_db_up") == 1
+        assert op.popen.poll() is None  # no restart
+        assert run.id
+    finally:
+        proxy.stop()
+
+
+# -- scaling ------------------------------------------------------------------------------------
+
+
+def replicas(cluster: Kube, name: str) -> int | None:
+    d = cluster.deployment(name) or {}
+    value = d.get("spec", {}).get("replicas")
+    return int(value) if value is not None else None
+
+
+def pool(release: Release, **overrides: Any) -> dict[str, Any]:
+    """The chart's own pools.yaml entry for the default pool (from its ConfigMap)."""
+    chart_pools = yaml.safe_load(release.pools_file(release.kube.cache_dir).read_text())["pools"]
+    [default] = [p for p in chart_pools if p["name"] == "default"]
+    return {**default, **overrides}
+
+
+async def test_the_chart_installs_its_pools_at_min_replicas_not_the_api_default(
+    cluster: Kube, release: Release, operators: NsOperators
+) -> None:
+    # B7: an autoscaled pool's Deployment carries no replicas (so Helm never fights the
+    # operator), and the API server defaults it to 1. The operator sets minReplicas at once
+    # instead of holding the API's 1 for the scale-down delay (300 s by default).
+    workers = release.worker_deployment()
+    assert replicas(cluster, workers) == 1  # the API's default
+    default = pool(release)
+    assert default["scaleDownDelaySeconds"] == 3 and default["minReplicas"] == 0
+    op = operators.start(pools=[pool(release, scaleDownDelaySeconds=300)])
+    await eventually(lambda: replicas(cluster, workers) == 0, 30, "minReplicas at once")
+    assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="down") == 1
+    # From now on the count is a decision (the scale bumped the generation): delays apply.
+    assert (cluster.deployment(workers) or {})["metadata"]["generation"] == 2
+
+
+async def test_scaling_from_zero_up_with_depth_capped_and_down_after_the_delay(
+    cluster: Kube, release: Release, operators: NsOperators, store: Store
+) -> None:
+    workers = release.worker_deployment()
+    cluster.create_deployment("fixed", replicas=5, pool="fixed")  # no pool: never touched
+    op = operators.start(pools=[pool(release)])
+    cluster.apply_agent(agent_manifest())
+    await eventually(lambda: replicas(cluster, workers) == 0, 30, "the pool at minReplicas")
+    await eventually(lambda: op.metric("agentrun_operator_db_up") == 1, 15, "operator ready")
+
+    t0 = time.monotonic()
+    cluster.apply_agentrun(agentrun_manifest("s1"))
+    await eventually(lambda: replicas(cluster, workers) == 1, 10, "scale from zero", every=0.01)
+    print(f"new AgentRun -> Deployment scaled from zero: {(time.monotonic() - t0) * 1000:.0f} ms")
+    t1 = time.monotonic()
+    for i in range(2, 5):
+        cluster.apply_agentrun(agentrun_manifest(f"s{i}"))
+    await eventually(lambda: replicas(cluster, workers) == 2, 10,
+                     "up with depth (4 runs / 2 per worker)")
+    print(f"3 more runs -> 2 replicas: {(time.monotonic() - t1) * 1000:.0f} ms")
+    for i in range(5, 9):
+        cluster.apply_agentrun(agentrun_manifest(f"s{i}"))
+    await eventually(lambda: replicas(cluster, workers) == 3, 10, "capped at maxReplicas")
+    # The real ReplicaSet controller follows the scale: three Pods (Pending: no node here).
+    await eventually(lambda: len(cluster.pods({"agentrun.dev/pool": "default"})) == 3, 30,
+                     "three worker Pods from the ReplicaSet")
+    for i in range(1, 9):
+        run = await run_of(store, cluster, f"s{i}")
+        await store.cancel(run.id)
+    t2 = time.monotonic()
+    await eventually(lambda: replicas(cluster, workers) == 0, 15, "scale down after the delay")
+    waited = time.monotonic() - t2
+    assert waited >= 3.0, waited  # the pool's scaleDownDelaySeconds
+    assert replicas(cluster, "fixed") == 5
+    assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="up") == 3
+    # One down at start (the API default 1 -> minReplicas 0), one after the delay.
+    assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="down") == 2
+
+
+async def test_busy_worker_pods_get_a_higher_deletion_cost_and_helm_counts_win(
+    cluster: Kube, release: Release, operators: NsOperators, store: Store
+) -> None:
+    workers = release.worker_deployment()
+    pinned = cluster.create_deployment("pinned", replicas=4, pool="batch")
+    cluster.patch(f"/apis/apps/v1/namespaces/{cluster.namespace}/deployments/pinned",
+                  {"metadata": {"annotations": {"agentrun.dev/autoscale": "false"}}})
+    assert pinned
+    op = operators.start(pools=[pool(release), pool(release, name="batch", deployment="pinned")])
+    cluster.apply_agent(agent_manifest())
+    for name in ("b1", "b2", "b3", "b4"):
+        cluster.apply_agentrun(agentrun_manifest(name))
+        await run_of(store, cluster, name)
+    await eventually(lambda: replicas(cluster, workers) == 2, 15, "two workers for four runs")
+    # The Pods the real ReplicaSet controller made for the chart's Deployment.
+    pods = await eventually(
+        lambda: (p := cluster.pods({"agentrun.dev/pool": "default"})) and len(p) == 2 and p,
+        30, "the ReplicaSet's two Pods")
+    busy, idle = sorted(p["metadata"]["name"] for p in pods)
+    # Worker ids are "<pod name>-<pid>-<random>"; the busy pod holds two runs.
+    claimed = (await store.claim("default", f"{busy}-7-beef", limit=2, ttl=60)).claimed
+    assert len(claimed) == 2
+
+    def cost(pod: str) -> str | None:
+        meta = (cluster.pod(pod) or {}).get("metadata", {})
+        return (meta.get("annotations") or {}).get("controller.kubernetes.io/pod-deletion-cost")
+
+    await eventually(lambda: cost(busy) == "2", 15, "cost of the busy pod")
+    await eventually(lambda: cost(idle) == "0", 15, "cost of the idle pod")
+    batch = cluster.pods({"agentrun.dev/pool": "batch"})
+    assert len(batch) == 4 and all(
+        "controller.kubernetes.io/pod-deletion-cost" not in (
+            p["metadata"].get("annotations") or {}) for p in batch)  # opted out: left alone
+    assert replicas(cluster, "pinned") == 4  # agentrun.dev/autoscale: "false" wins
+    assert op.metric("agentrun_scaling_decisions_total", pool="batch", direction="down") is None
+
+
+async def test_the_same_yaml_runs_through_kubectl_apply_and_agentrun_submit(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    # Local parity: examples/migrate-orders.yaml, applied to the cluster and submitted with
+    # `agentrun submit -f` (no cluster), pins the same run.
+    example = ROOT / "examples" / "migrate-orders.yaml"
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    operators.start()
+    cluster.apply_agent(docs[0])
+    cluster.apply_agentrun(docs[1])
+    applied = await run_of(store, cluster, "migrate-orders")
+    out = run_cli("submit", "-f", str(example), env={"AGENTRUN_DATABASE_URL": database_url})
+    assert out.returncode == 0, out.stderr
+    submitted = await store.get_run(out.stdout.strip())
+    assert submitted.id != applied.id
+    for field in ("task", "model", "agent_spec", "pool", "max_steps", "max_attempts"):
+        assert getattr(submitted, field) == getattr(applied, field), field
+
+
+async def test_operator_migrates_at_startup_unless_told_not_to(
+    cluster: Kube, release: Release, tmp_path: Path, empty_database_url: str
+) -> None:
+    kubeconfig = release.kubeconfig_for(release.operator_sa, tmp_path)
+    ops = NsOperators(_Kubeconfig(kubeconfig), empty_database_url, tmp_path,  # type: ignore[arg-type]
+                      namespace=cluster.namespace)
+    try:
+        told_not_to = ops.start(extra=["--no-migrate"])
+        await eventually(
+            lambda: "run `agentrun migrate`" in told_not_to.output(), 30, "the advice to migrate"
+        )
+        assert told_not_to.metric("agentrun_operator_db_up") == 0
+        told_not_to.stop()
+        op = ops.start()
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 1, 30, "migrated")
+        async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+            assert await schema_version(conn) == latest_version()
+    finally:
+        ops.stop_all()
+
+
+async def test_oldest_pending_age_returns_to_zero_when_the_pool_empties(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # A pool the operator does not scale: only the metrics recount reports its oldest pending.
+    op = operators.start()
+    run, _ = await store.create_run("wait", AGENT, pool="batch")
+    await eventually(
+        lambda: (op.metric("agentrun_oldest_pending_seconds", pool="batch") or 0) > 0, 15, "age")
+    await store.cancel(run.id)
+    await eventually(
+        lambda: op.metric("agentrun_oldest_pending_seconds", pool="batch") == 0, 15, "back to 0")
+
+
+# -- found on a real API server (issue 11) ------------------------------------------------------
+
+
+async def test_a_recreated_object_never_shows_the_old_runs_status(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B2: an AgentRun deleted and created again under the same name is another object (another
+    # uid) with another run. Deleted and re-created while no operator ran, the old run is still
+    # live: the next operator met it through the store and patched its status by NAME, onto the
+    # new object. Patches are now guarded by uid: the old run's object is gone, so it is
+    # cancelled, and the new object shows only its own run.
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("again"))
+    old = await run_of(store, cluster, "again")
+    op.stop()
+    assert cluster.delete_agentrun("again") == 200
+    new_obj = cluster.apply_agentrun(agentrun_manifest("again"))
+    again = operators.start()
+    new = await eventually(
+        lambda: (rid := status(cluster, "again").get("runId")) and rid != str(old.id) and rid,
+        30, "the new object's own run")
+    assert (await store.get_run(new)).k8s_uid == new_obj["metadata"]["uid"]
+    cancelled = await wait_run(store, old.id, lambda r: r.status == "cancelled", 30)
+    assert f"AgentRun {cluster.namespace}/again deleted" in (cancelled.error or "")
+    seen = again.metric("agentrun_operator_resyncs_total") or 0
+    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= seen + 2,
+                     30, "two more resyncs")
+    s = status(cluster, "again")
+    assert (s["runId"], s["phase"]) == (new, "pending"), s
+
+
+async def test_an_operator_restart_patches_nothing(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B5: the status read back from the API server lacks the null fields the operator computed;
+    # compared naively, every restart patched every object once (minutes at 10,000 objects).
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    for i in range(4):
+        cluster.apply_agentrun(agentrun_manifest(f"r{i}"))
+    runs = [await run_of(store, cluster, f"r{i}") for i in range(4)]
+    [(_, lease)] = (await store.claim("default", "w", ttl=60)).claimed
+    await store.finish(lease, "succeeded", result="done")
+    await eventually(lambda: sorted(status(cluster, f"r{i}").get("phase") or "" for i in range(4))
+                     == ["pending", "pending", "pending", "succeeded"], 15, "mirrored")
+    assert runs
+    op.stop()
+
+    def versions() -> dict[str, str]:
+        out = cluster.get(f"/apis/agentrun.dev/v1alpha1/namespaces/{cluster.namespace}/agentruns")
+        return {o["metadata"]["name"]: o["metadata"]["resourceVersion"]
+                for o in (out or {})["items"]}
+
+    before = versions()
+    again = operators.start()
+    # Three resyncs (1 s apart here) have compared every live run with its object.
+    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= 3, 30,
+                     "three resyncs")
+    assert versions() == before, "an operator restart patched objects that had not changed"
+    assert (again.metric("agentrun_status_patches_total") or 0) == 0
+
+
+async def test_a_new_approval_wait_right_after_a_decision_gets_its_own_event(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B6: approve -> claim -> the next irreversible call waits, all inside one flush window:
+    # the mirror sees waiting_approval twice; the second wait must get its own Event.
+    operators.start(env={"AGENTRUN_STATUS_FLUSH_INTERVAL": "3"})
+    cluster.apply_agent(agent_manifest(requireApproval=True))
+    cluster.apply_agentrun(agentrun_manifest("twice"))
+    run = await run_of(store, cluster, "twice")
+    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "a"},
+            "stage": "before_call"}
+    await store.wait_for_approval(lease, "approval required before drop_table (step 0)", call)
+    await eventually(lambda: "WaitingForApproval" in cluster.reasons("twice"), 15, "first wait")
+    cluster.annotate("twice", {"agentrun.dev/approve": "0"})
+    await wait_run(store, run.id, lambda r: r.status == "pending", 15)
+    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []})
+    await store.append_step(lease, 1, "tool_result", {"content": []})
+    call2 = {**call, "seq": 2, "input": {"table": "b"}}
+    await store.wait_for_approval(lease, "approval required before drop_table (step 2)", call2)
+    await eventually(lambda: cluster.reasons("twice").count("WaitingForApproval") == 2, 20,
+                     "an Event for the second wait")
+    [second] = [e for e in cluster.events("twice") if "approve=2" in e["message"]]
+    assert f"kubectl annotate agentrun twice -n {cluster.namespace} agentrun.dev/approve=2" in (
+        second["message"])
+
+
+async def test_a_run_whose_object_vanished_unseen_is_cancelled_once(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B8: the object is deleted while no operator runs (no finalizer holds it). The next
+    # operator finds the live run's object gone: it cancels the run, and stops patching it.
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("vanish"))
+    cluster.apply_agentrun(agentrun_manifest("stays"))
+    run = await run_of(store, cluster, "vanish")
+    await run_of(store, cluster, "stays")
+    op.stop()
+    assert cluster.delete_agentrun("vanish") == 200
+    again = operators.start()
+    cancelled = await wait_run(store, run.id, lambda r: r.status == "cancelled", 30)
+    assert f"AgentRun {cluster.namespace}/vanish deleted" in (cancelled.error or "")
+    assert (await store.get_run((await run_of(store, cluster, "stays")).id)).status == "pending"
+    patches = again.metric("agentrun_kube_api_calls_total", verb="patch_status") or 0
+    seen = again.metric("agentrun_operator_resyncs_total") or 0
+    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= seen + 3,
+                     30, "three more resyncs")
+    assert (again.metric("agentrun_kube_api_calls_total", verb="patch_status") or 0) == patches
+    assert again.output().count("vanish was deleted; no longer mirrored") == 1
+
+
+async def test_objects_with_the_old_finalizer_are_released(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B4: versions before this one put agentrun.dev/finalizer on every AgentRun; with no
+    # operator left, deleting them (or their namespace, or the CRD) hung forever. The operator
+    # now removes it; and none is added.
+    cluster.apply_agent(agent_manifest())
+    obj = agentrun_manifest("legacy")
+    obj["metadata"]["finalizers"] = ["agentrun.dev/finalizer"]
+    cluster.apply_agentrun(obj)
+    operators.start()
+    await run_of(store, cluster, "legacy")
+    await eventually(lambda: not (cluster.agentrun("legacy") or {})["metadata"].get("finalizers"),
+                     15, "the old finalizer removed")
+    assert cluster.delete_agentrun("legacy") == 200
+    assert cluster.agentrun("legacy") is None
+
+
+async def test_existing_objects_get_database_unavailable_when_the_operator_starts_blind(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    # B14: the database is down when the operator starts: its live AgentRuns must say so.
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("blind"))
+    await run_of(store, cluster, "blind")
+    op.stop()
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
+    try:
+        proxy.cut()
+        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=proxy.port)
+        operators.start()
+        cond = await eventually(
+            lambda: (c := condition(cluster, "blind", "DatabaseAvailable")) and
+            c["status"] == "False" and c, 30, "DatabaseAvailable=False on an existing object")
+        assert cond["reason"] == "DatabaseUnavailable"
+        proxy.restore()
+        await eventually(
+            lambda: (condition(cluster, "blind", "DatabaseAvailable") or {}).get("status")
+            == "True", 30, "DatabaseAvailable=True after the outage")
+    finally:
+        proxy.stop()
+
+
+async def test_the_largest_task_the_schema_admits_is_handled_and_deleted(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # B10: kopf copied the spec into an annotation (256 KiB at most); a large task wedged the
+    # object and its delete. 65,536 three-byte characters: ~192 KiB of task, ~390 KiB escaped.
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    task = "€" * 65536
+    cluster.apply_yaml([agentrun_manifest("big", task=task)], "--server-side")
+    run = await run_of(store, cluster, "big")
+    assert run.task == task
+    annotations = (cluster.agentrun("big") or {})["metadata"].get("annotations") or {}
+    assert sum(len(k) + len(v) for k, v in annotations.items()) < 4096
+    assert cluster.delete_agentrun("big") == 200
+    await wait_run(store, run.id, lambda r: r.status == "cancelled", 15)
+
+
+async def test_status_carries_observed_generation_and_a_ready_condition(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    obj = cluster.apply_agentrun(agentrun_manifest("ready"))
+    run = await run_of(store, cluster, "ready")
+    ready = await eventually(lambda: condition(cluster, "ready", "Ready"), 15, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InProgress")
+    generation = obj["metadata"]["generation"]
+    assert status(cluster, "ready")["observedGeneration"] == generation
+    assert ready["observedGeneration"] == generation
+    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    await store.finish(lease, "succeeded", result="ok")
+    # kstatus / Argo CD / kubectl wait read Ready.
+    cluster.kubectl("wait", "--for=condition=Ready", "agentrun/ready", "--timeout=30s")
+    assert condition(cluster, "ready", "Ready")["reason"] == "Succeeded"  # type: ignore[index]
+    assert run.id

@@ -1,0 +1,181 @@
+"""The README's "Try it by hand", command for command, on a fresh database.
+
+Only the demo's tools and a scripted model: the fake-anthropic server with the demo_migration
+scenario, a worker with ``--tools agentrun.demo_tools``, ``agentrun submit -f
+examples/migrate-orders.yaml``. Nothing creates the ``demo_production`` schema beforehand (that
+used to be done by ``agentrun demo`` only, so every tool call failed while the run still
+"succeeded").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import run_cli
+from workerkit import free_port
+
+from agentrun.store import Run, Store
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.yaml"
+#: The scenario's turn 1 looks for a customers table that the demo database does not have (the
+#: model then backfills a default region): the one tool error the script means to provoke.
+SCRIPTED_ERROR = "unknown table 'customers'"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    try:
+        yield started
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _start(
+    procs: list[subprocess.Popen[str]], args: list[str], env: dict[str, str], log: Path | None
+) -> subprocess.Popen[str]:
+    """``agentrun ARGS``; its output to ``log``, or to a pipe when None."""
+    with open(log or os.devnull, "w") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "agentrun", *args],
+            env={**os.environ, **env},
+            stdout=out if log else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tempfile.gettempdir(),
+        )
+    procs.append(p)
+    return p
+
+
+def _output(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+async def _wait_finished(
+    store: Store, run_id: str, worker: subprocess.Popen[str], log: Path, within: float
+) -> Run:
+    deadline = time.monotonic() + within
+    while True:
+        run = await store.get_run(run_id)
+        if run.finished:
+            return run
+        assert worker.poll() is None, f"the worker exited ({worker.returncode}): {_output(log)}"
+        assert time.monotonic() < deadline, f"run {run_id} still {run.status} at {run.next_seq}"
+        await asyncio.sleep(0.05)
+
+
+def _tool_results(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    for s in steps:
+        if s["kind"] != "tool_result":
+            continue
+        payload = s["payload"]
+        content = payload.get("content", payload) if isinstance(payload, dict) else payload
+        blocks += [b for b in content if b.get("type") == "tool_result"]
+    return blocks
+
+
+async def test_try_it_by_hand_runs_the_example_and_writes_production_once(
+    database_url: str, store: Store, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    port = free_port()
+    # $ agentrun fake-anthropic --scenario demo_migration --port 8765 &
+    fake = _start(
+        procs, ["fake-anthropic", "--scenario", "demo_migration", "--port", str(port)], env, None
+    )
+    assert fake.stdout is not None
+    ready = fake.stdout.readline()  # printed once it listens; "" if it died
+    assert "listening" in ready, ready + fake.stdout.read()
+    # $ ANTHROPIC_BASE_URL=http://127.0.0.1:8765 ANTHROPIC_API_KEY=x \
+    #     agentrun worker --tools agentrun.demo_tools &
+    # (its health port off: 8080 may be taken on the machine running the tests)
+    log = tmp_path / "worker.log"
+    worker = _start(
+        procs,
+        ["worker", "--tools", "agentrun.demo_tools"],
+        {
+            **env,
+            "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
+            "ANTHROPIC_API_KEY": "x",
+            "AGENTRUN_HEALTH_PORT": "-1",
+        },
+        log,
+    )
+    # $ agentrun submit -f examples/migrate-orders.yaml
+    res = run_cli("submit", "-f", str(EXAMPLE), env=env)
+    assert res.returncode == 0, res.stderr
+    run_id = res.stdout.strip()
+
+    run = await _wait_finished(store, run_id, worker, log, within=120)
+    assert run.status == "succeeded", (run.status, run.error, _output(log))
+
+    # $ agentrun runs; agentrun steps RUN_ID
+    res = run_cli("runs", env=env)
+    assert res.returncode == 0 and run_id in res.stdout and "succeeded" in res.stdout
+    res = run_cli("steps", run_id, "-o", "json", env=env)
+    assert res.returncode == 0, res.stderr
+    results = _tool_results(json.loads(res.stdout))
+    assert len(results) == 11  # one per tool call: turns 0..10 each call one tool
+    errors = [str(r["content"]) for r in results if r.get("is_error")]
+    assert len(errors) == 1 and SCRIPTED_ERROR in errors[0], errors
+
+    with psycopg.connect(database_url) as conn:
+        ledger = conn.execute(
+            "SELECT run_id, statement, rows_affected FROM demo_production.write_ledger ORDER BY seq"
+        ).fetchall()
+        nulls = conn.execute(
+            "SELECT count(*) FROM demo_production.orders WHERE region IS NULL"
+        ).fetchone()
+    assert ledger == [
+        (run_id, "ALTER TABLE orders ADD COLUMN region text", 0),
+        (run_id, "UPDATE orders SET region = 'eu' WHERE region IS NULL", 1000),
+    ]
+    assert nulls == (0,)
+
+
+def test_workers_creating_the_demo_schema_at_once_create_and_seed_it_once(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from agentrun import demo_tools
+
+    monkeypatch.setenv("AGENTRUN_DEMO_PRODUCTION_URL", database_url)
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def first_call() -> None:
+        try:
+            start.wait(10)
+            demo_tools._connect().close()
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    with psycopg.connect(database_url) as conn:
+        counts = conn.execute(
+            "SELECT (SELECT count(*) FROM demo_production.orders),"
+            " (SELECT count(*) FROM demo_production.write_ledger)"
+        ).fetchone()
+    assert counts == (demo_tools.SEED_ROWS, 0)
