@@ -370,12 +370,17 @@ class OperatorProc:
 
 @dataclass
 class Operators:
-    """Starts ``agentrun operator`` processes; each is stopped by its pid at teardown."""
+    """Starts ``agentrun operator`` processes; each is stopped by its pid at teardown.
 
-    cluster: KubeCluster
+    The operator talks to ``cluster`` (the emulator), or, when ``kubeconfig`` is given, to the
+    server and with the credentials of that file (a real API server and a ServiceAccount's own
+    token: tests/realkube.py), so it has exactly the permissions the chart grants."""
+
+    cluster: KubeCluster | None
     database_url: str
     tmp: Path
     procs: list[OperatorProc] = field(default_factory=list)
+    kubeconfig: Path | None = None
 
     def start(
         self,
@@ -390,7 +395,7 @@ class Operators:
         metrics_port = free_port()
         full_env = {
             **os.environ,
-            "KUBECONFIG": str(self.cluster.kubeconfig(self.tmp)),
+            "KUBECONFIG": str(self._kubeconfig()),
             "AGENTRUN_DATABASE_URL": self.database_url,
             "AGENTRUN_RESYNC_INTERVAL": "1",
             "AGENTRUN_STATUS_FLUSH_INTERVAL": "0.05",
@@ -416,6 +421,13 @@ class Operators:
         proc = OperatorProc(popen, log, metrics_port)
         self.procs.append(proc)
         return proc
+
+    def _kubeconfig(self) -> Path:
+        if self.kubeconfig is not None:
+            return self.kubeconfig
+        if self.cluster is None:
+            raise ValueError("Operators needs a cluster or a kubeconfig")
+        return self.cluster.kubeconfig(self.tmp)
 
     def stop_all(self) -> None:
         for p in self.procs:
