@@ -34,7 +34,7 @@ from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.mirror import StatusMirror, Tracked
 from agentrun.operator.settings import OperatorSettings
-from agentrun.operator.status import Event
+from agentrun.operator.status import Event, Reason, one_line
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, TERMINAL_STATUSES, Run, Store
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,38 @@ class OperatorApp:
     # -- events -------------------------------------------------------------------------------
 
     async def _event(self, t: Tracked, e: Event) -> None:
+        if e.reason == Reason.DEAD_LETTERED and t.run_id is not None:
+            note = await self._why_workers_died(t.run_id)
+            if note:
+                e = Event(e.type, e.reason, one_line(e.message + note, 1000))
         await self.event(t.body(), e, run_id=t.run_id)
+
+    async def _why_workers_died(self, run_id: UUID) -> str:
+        """For a dead-lettered run: did the pod of the worker that held it last end OOMKilled?
+        Then say so on the run (its error, so status and `agentrun get` show it) and in the
+        Event: the fix is the pool's memory limit, not more attempts."""
+        ns, store = self.settings.worker_namespace, self.store
+        if not ns or store is None:
+            return ""
+        try:
+            worker = await store.last_writer(run_id)
+            if not worker:
+                return ""
+            pods = await self.kube.list_pods(ns, {})
+            # A worker's id is "<pod name>-<pid>-<random>".
+            pod = next((p for p in pods if worker.startswith(p.name + "-")), None)
+            if pod is None or pod.last_termination != "OOMKilled":
+                return ""
+            note = (f"; its worker pod {pod.name} was OOMKilled ({pod.restarts} restarts): "
+                    f"the run needs more memory than the pool's limit; raise "
+                    f"workers.pools[].resources.limits.memory")
+            await store.note_dead_letter(run_id, note)
+            self.mirror.notify(run_id)
+            return note
+        except Exception as exc:  # an explanation is a courtesy: never fail the Event for it
+            log.warning("could not look up why the run's workers died: %s", exc,
+                        extra={"run_id": str(run_id)})
+            return ""
 
     async def event(self, body: dict[str, Any], e: Event, run_id: UUID | str | None) -> None:
         """Post an Event about an AgentRun. The operator's only Event source: kopf's own

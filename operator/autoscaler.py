@@ -74,12 +74,14 @@ class Autoscaler:
             return False
         depth = await store.pool_depth()
         for pool in pools:
-            await self._scale(pool, depth.get(pool), fresh=tick)
+            await self._scale(store, pool, depth.get(pool), fresh=tick)
             if tick:
                 await self._deletion_costs(store, pool)
         return True
 
-    async def _scale(self, pool: str, depth: PoolDepth | None, *, fresh: bool) -> None:
+    async def _scale(
+        self, store: Store, pool: str, depth: PoolDepth | None, *, fresh: bool
+    ) -> None:
         scaler = self.scalers[pool]
         s = scaler.settings
         self.metrics.observe_depths({pool: depth})
@@ -116,6 +118,11 @@ class Autoscaler:
         if decision.replicas == dep.replicas:
             self.last_poke.pop(pool, None)
             return
+        if decision.replicas < dep.replicas:
+            # The ReplicaSet controller deletes the pods with the lowest deletion cost: make the
+            # costs current first, or a pod whose runs ended since the last tick still looks
+            # busy, and a pod holding a run can be picked before an idle one (found on a node).
+            await self._deletion_costs(store, pool)
         await self.kube.scale_deployment(s.namespace, s.deployment, decision.replicas)
         self._replicas[pool] = decision.replicas
         direction = "up" if decision.replicas > dep.replicas else "down"

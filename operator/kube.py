@@ -50,6 +50,9 @@ class Pod:
     name: str
     labels: dict[str, str]
     annotations: dict[str, str]
+    #: Why its container last ended (OOMKilled, Error, ...), from the kubelet; None if never.
+    last_termination: str | None = None
+    restarts: int = 0
 
 
 class NotFound(Exception):
@@ -207,7 +210,14 @@ class KubeApi:
             pod_labels = dict(p.metadata.labels or {})
             # Filter here too: a selector is a request, and the test emulator ignores it.
             if all(pod_labels.get(k) == v for k, v in labels.items()):
-                pods.append(Pod(p.metadata.name, pod_labels, dict(p.metadata.annotations or {})))
+                statuses = (p.status.container_statuses or []) if p.status else []
+                ended = [s.last_state.terminated for s in statuses
+                         if s.last_state and s.last_state.terminated]
+                pods.append(Pod(
+                    p.metadata.name, pod_labels, dict(p.metadata.annotations or {}),
+                    last_termination=ended[0].reason if ended else None,
+                    restarts=sum(int(s.restart_count or 0) for s in statuses),
+                ))
         return pods
 
     async def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:

@@ -102,6 +102,9 @@ class OperatorSettings:
     db_timeout: float = 5.0
     #: How often an AgentRun whose Agent does not exist yet is retried.
     agent_retry_delay: float = 15.0
+    #: Where the worker pods run (the chart: its release namespace); lets the operator say why
+    #: a dead-lettered run's workers died (OOMKilled). None: not looked up.
+    worker_namespace: str | None = None
 
     @classmethod
     def from_env(cls, database_url: str) -> OperatorSettings:
@@ -126,6 +129,7 @@ class OperatorSettings:
             metrics_port=_port(env_int("AGENTRUN_METRICS_PORT", 9090)),
             health_port=_port(env_int("AGENTRUN_HEALTH_PORT", 8080)),
             agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
+            worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
         )
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 class TcpProxy:
     target: tuple[str, int]
     port: int = 0
+    #: Where it listens: loopback, or a node's bridge address for pods (tests/e2e).
+    host: str = "127.0.0.1"
     _server: socket.socket | None = None
     _conns: list[socket.socket] = field(default_factory=list)
     _up: bool = True
@@ -21,7 +23,7 @@ class TcpProxy:
     def start(self) -> TcpProxy:
         self._server = socket.socket()
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", self.port))
+        self._server.bind((self.host, self.port))
         self._server.listen(64)
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True, name="proxy").start()

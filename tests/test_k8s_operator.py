@@ -748,3 +748,45 @@ async def test_status_carries_observed_generation_and_a_ready_condition(
     cluster.kubectl("wait", "--for=condition=Ready", "agentrun/ready", "--timeout=30s")
     assert condition(cluster, "ready", "Ready")["reason"] == "Succeeded"  # type: ignore[index]
     assert run.id
+
+
+async def test_a_run_dead_lettered_by_oom_kills_says_so(
+    cluster: Kube, release: Release, operators: NsOperators, store: Store
+) -> None:
+    # The kernel OOM-kills the worker every time the run's tool runs: the run is dead-lettered
+    # after its attempts, and the operator finds its last worker's pod OOMKilled (the kubelet's
+    # container status; written here through the pods/status subresource, as the kubelet does)
+    # and says so on the run and in the Event: the fix is memory, not more attempts.
+    operators.start(env={"AGENTRUN_WORKER_NAMESPACE": cluster.namespace})
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("hungry", maxAttempts=1))
+    run = await run_of(store, cluster, "hungry")
+    pod = "hungry-worker-abc12"
+    cluster.create(f"/api/v1/namespaces/{cluster.namespace}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod, "labels": {"agentrun.dev/pool": "default"}},
+        "spec": {"containers": [{"name": "worker", "image": "agentrun"}]}})
+    cluster.patch(f"/api/v1/namespaces/{cluster.namespace}/pods/{pod}/status", {"status": {
+        "containerStatuses": [{
+            "name": "worker", "image": "agentrun", "imageID": "", "ready": False,
+            "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]}},
+        "application/strategic-merge-patch+json")
+    [(_, lease)] = (await store.claim("default", f"{pod}-7-beef", ttl=0.3)).claimed
+    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
+                            ttl=0.3)
+    # The worker "dies" (its lease, 0.3 s, runs out); the next claim finds the attempts spent.
+    dead: list[Run] = []
+    for _ in range(200):
+        dead = (await store.claim("default", "other-worker-1-x", ttl=30)).dead_lettered
+        if dead:
+            break
+        await asyncio.sleep(0.05)
+    assert [r.k8s_name for r in dead] == ["hungry"]
+    error = (await wait_run(store, run.id, lambda r: "OOMKilled" in (r.error or ""), 30)).error
+    assert f"its worker pod {pod} was OOMKilled (3 restarts)" in (error or "")
+    await eventually(lambda: "DeadLettered" in cluster.reasons("hungry"), 15, "the Event")
+    [event] = [e for e in cluster.events("hungry") if e["reason"] == "DeadLettered"]
+    assert "OOMKilled" in event["message"] and "limits.memory" in event["message"]
+    await eventually(lambda: "OOMKilled" in (status(cluster, "hungry").get("error") or ""), 30,
+                     "the reason mirrored into .status.error")

@@ -665,6 +665,18 @@ class Store:
             cur = await conn.execute(queries["runs_by_status"])
             return {(r[0], r[1]): int(r[2]) for r in await cur.fetchall()}
 
+    async def last_writer(self, run_id: UUID) -> str | None:
+        """The worker id that committed the run's last step (None: no step yet)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["last_writer"], {"run_id": run_id})
+            row = await cur.fetchone()
+        return str(row[0]) if row else None
+
+    async def note_dead_letter(self, run_id: UUID, note: str) -> None:
+        """Append ``note`` to a dead-lettered run's error (once; other runs are untouched)."""
+        async with self.pool.connection() as conn:
+            await conn.execute(queries["note_dead_letter"], {"run_id": run_id, "note": note})
+
     async def lease_holders(self, pool: str) -> dict[str, int]:
         """worker id -> runs of ``pool`` it holds."""
         async with self.pool.connection() as conn:

@@ -115,3 +115,19 @@ def charge(ctx: ToolContext, amount: int) -> str:
     with _connect() as conn:
         _attempt(conn, ctx)
     raise RuntimeError(f"card declined for {amount}")
+
+
+@tool(kind="pure")
+def hog(ctx: ToolContext, megabytes: int, every_attempt: bool = False) -> str:
+    """Hold memory, to be OOM-killed (the e2e tier): on the call's first attempt only, or on
+    every attempt. The attempt is recorded (committed) before the allocation."""
+    with _connect() as conn:
+        row = conn.execute("SELECT count(*) FROM ledger_attempts WHERE key = %s",
+                           (ctx.idempotency_key,)).fetchone()
+        _attempt(conn, ctx)
+    if every_attempt or not (row and row[0]):
+        block = bytearray(megabytes * 1024 * 1024)
+        for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+            block[i] = 1
+        return f"held {len(block) // (1024 * 1024)} MB"
+    return "held nothing: this call was OOM-killed once already"

@@ -300,6 +300,17 @@ SELECT * FROM agent_run
 -- For the operator's agentrun_runs gauge; read on a slow timer, it counts every run.
 SELECT pool, status, count(*) AS n FROM agent_run GROUP BY pool, status;
 
+-- last_writer --
+-- The worker that committed a run's last step: after a dead letter, whose process died last.
+SELECT worker FROM agent_step WHERE run_id = %(run_id)s ORDER BY seq DESC LIMIT 1;
+
+-- note_dead_letter --
+-- Appends why a dead-lettered run's workers died (found by the operator, e.g. OOMKilled), once.
+UPDATE agent_run
+   SET error = coalesce(error, '') || %(note)s
+ WHERE id = %(run_id)s AND status = 'dead_letter'
+   AND position(%(note)s IN coalesce(error, '')) = 0;
+
 -- lease_holders --
 -- Which workers hold how many runs of a pool: busy pods get a higher pod-deletion-cost.
 SELECT lease_owner AS worker, count(*) AS held
