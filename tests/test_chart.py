@@ -408,6 +408,7 @@ def test_operator_is_one_replica_recreated_with_its_settings(defaults: list[Doc]
     plain = {k: v.get("value") for k, v in env.items() if "value" in v}
     assert plain == {
         "AGENTRUN_POOLS_FILE": "/etc/agentrun/pools.yaml",
+        "AGENTRUN_WORKER_NAMESPACE": "agentrun",  # where an OOMKilled worker pod is looked up
         "AGENTRUN_WATCH_NAMESPACES": "",
         "AGENTRUN_MIGRATE": "true",
         "AGENTRUN_LOG_FORMAT": "json",

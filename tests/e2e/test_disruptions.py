@@ -146,13 +146,13 @@ class Installed:
                           f"{prefix} run {i}: do the seven steps"}} for i in range(n)]
         self.node.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
 
-    def worker_pods(self) -> list[dict[str, Any]]:
+    def worker_pods(self, pool: str = "default") -> list[dict[str, Any]]:
         pods = self.node.get("pods", "-n", NAMESPACE, "-l",
-                             "app.kubernetes.io/component=worker")["items"]
-        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+                             f"app.kubernetes.io/component=worker,agentrun.dev/pool={pool}")
+        return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
 
-    def ready_workers(self) -> list[str]:
-        return [p["metadata"]["name"] for p in self.worker_pods()
+    def ready_workers(self, pool: str = "default") -> list[str]:
+        return [p["metadata"]["name"] for p in self.worker_pods(pool)
                 if any(c["type"] == "Ready" and c["status"] == "True"
                        for c in p.get("status", {}).get("conditions", []))]
 
