@@ -349,7 +349,8 @@ def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
     def upgrade() -> dict[str, Any]:
         installed.node.helm(
             "upgrade", RELEASE, "charts/agentrun", "-n", NAMESPACE, "--reuse-values",
-            "--set", f"workers.poolDefaults.podAnnotations.e2e/rollout={uuid.uuid4().hex[:6]}")
+            # --set-string: a hex id of digits only would be a number, which the schema refuses.
+            "--set-string", f"workers.poolDefaults.podAnnotations.e2e/rollout={uuid.uuid4().hex}")
         return {}
 
     figures = installed.scenario("upgrade", upgrade)
@@ -399,7 +400,8 @@ def test_a_node_drain_respects_the_disruption_budget(installed: Installed) -> No
         proc = installed.node.kubectl(
             "drain", NODE_NAME, "--ignore-daemonsets", "--delete-emptydir-data",
             f"--pod-selector=app.kubernetes.io/instance={RELEASE},"
-            "app.kubernetes.io/component=worker", "--timeout=20s", check=False, timeout=90)
+            "app.kubernetes.io/component=worker,agentrun.dev/pool=default", "--timeout=20s",
+            check=False, timeout=90)
         evicted = proc.stdout.count("evicted")
         installed.node.kubectl("uncordon", NODE_NAME)
         return {"evicted": evicted, "drain_exit": proc.returncode}
