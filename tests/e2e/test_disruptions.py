@@ -60,10 +60,12 @@ TURNS = [
     ("look", {"what": "logs"}),
     ("send_email", {"to": "cto@example.com"}),
     ("set_flag", {"value": "b"}),
+    ("drop_table", {"table": "orders_old"}),
     ("look", {"what": "the result"}),
 ]
 STEPS = 2 * len(TURNS) + 1  # a model turn and a tool result per call, then the answer
 EMAILS = sum(1 for name, _ in TURNS if name == "send_email")
+DROPS = sum(1 for name, _ in TURNS if name == "drop_table")
 TURN_DELAY_MS = 700  # keeps runs mid-flight long enough to break things under them
 OOM_MB = 400  # what the hog tool holds; the "oom" pool's workers may use 200Mi
 LEASE_TTL = 5
@@ -180,10 +182,8 @@ class Installed:
         pod = extra.get("pod")
         affected = sorted(n for n, owner in held.items() if pod and owner and
                           owner.startswith(f"{pod}-"))
-        wait_for(lambda: all(x["status"] in ("succeeded", "failed", "cancelled", "dead_letter")
-                             for x in self.runs(name).values()), within,
-                 f"every run of {name} to finish")
-        result = self.check(name, runs)
+        decided = self.finish(name, within)
+        result = {**self.check(name, runs), "decisions": decided}
         handover = self.query(
             "SELECT r.k8s_name, EXTRACT(EPOCH FROM min(s.created_at) - %s) FROM agent_run r "
             "JOIN agent_step s ON s.run_id = r.id WHERE r.k8s_namespace = %s "
@@ -197,6 +197,34 @@ class Installed:
         self.figures.record(name, **figures)
         return figures
 
+    def finish(self, name: str, within: float) -> list[str]:
+        """Wait for every run of ``name`` to end. A run killed inside its irreversible call waits
+        for a human (its outcome is unknown): the test decides as the on-call would, from the
+        target system (the ledger): reject a retry if the effect happened, approve if not."""
+        decided: list[str] = []
+
+        def settled() -> bool:
+            runs = self.runs(name)
+            for run_name, r in runs.items():
+                if r["status"] != "waiting_approval":
+                    continue
+                done = self.query("SELECT count(*) FROM ledger_effects WHERE run_id = %s AND "
+                                  "tool = 'drop_table'", str(r["id"]))[0][0]
+                pending = (self.node.get("agentrun", run_name, "-n", NAMESPACE).get("status")
+                           or {}).get("pendingApproval")
+                if not pending:
+                    return False  # not mirrored yet
+                verdict = "reject" if done else "approve"
+                self.node.kubectl("annotate", "agentrun", run_name, "-n", NAMESPACE,
+                                  f"agentrun.dev/{verdict}={pending['seq']}")
+                decided.append(f"{run_name}:{verdict}")
+                return False
+            return all(r["status"] in ("succeeded", "failed", "cancelled", "dead_letter")
+                       for r in runs.values())
+
+        wait_for(settled, within, f"every run of {name} to finish", every=0.5)
+        return decided
+
     def check(self, name: str, runs: int) -> dict[str, Any]:
         got = self.runs(name)
         assert {r["status"] for r in got.values()} == {"succeeded"}, got
@@ -208,6 +236,9 @@ class Installed:
                 "SELECT count(*), count(DISTINCT key) FROM ledger_effects "
                 "WHERE run_id = %s AND tool = 'send_email'", str(r["id"]))[0]
             assert effects == (EMAILS, EMAILS), (run_name, effects)  # each email once
+            drops = self.query("SELECT count(*) FROM ledger_effects WHERE run_id = %s "
+                               "AND tool = 'drop_table'", str(r["id"]))[0][0]
+            assert drops == DROPS, (run_name, drops)  # the irreversible call, exactly once
             flag = self.query("SELECT value FROM ledger_state WHERE run_id = %s "
                               "AND tool = 'set_flag'", str(r["id"]))
             assert flag == [("b",)], (run_name, flag)
@@ -215,6 +246,7 @@ class Installed:
             "SELECT count(*) FROM ledger_attempts a JOIN agent_run r ON a.run_id = r.id::text "
             "WHERE r.k8s_name LIKE %s AND a.tool = 'send_email'", f"{name}-%")[0][0]
         return {"steps": runs * STEPS, "emails": runs * EMAILS, "email_calls": attempts,
+                "irreversible": runs * DROPS,
                 "duplicates": 0, "lost": 0,
                 "attempts": sorted(r["attempt"] for r in got.values())}
 
@@ -466,7 +498,17 @@ def test_an_oom_kill_resumes_the_run_and_a_run_that_always_ooms_is_dead_lettered
     runs = installed.runs("oom")
     assert runs["oom-0"]["status"] == "succeeded" and runs["oom-0"]["attempt"] >= 2, runs
     assert runs["oom-1"]["status"] == "dead_letter", runs
-    assert "OOMKilled" in (runs["oom-1"]["error"] or ""), runs["oom-1"]
+    # The operator adds why when it handles the dead letter (its Event), moments after.
+    try:
+        wait_for(lambda: "OOMKilled" in (installed.runs("oom")["oom-1"]["error"] or ""), 60,
+                 "the operator to say the run's worker was OOMKilled")
+    except AssertionError:
+        pods = node.get("pods", "-n", NAMESPACE, "-l", "agentrun.dev/pool=oom")["items"]
+        raise AssertionError(
+            f"{installed.runs('oom')['oom-1']}; pods: "
+            f"{[(p['metadata']['name'], p['status'].get('containerStatuses')) for p in pods]}; "
+            f"operator: {operator_log(node)}") from None
+    runs = installed.runs("oom")
     assert "raise workers.pools[].resources.limits.memory" in runs["oom-1"]["error"]
     for name in ("oom-2", "oom-3"):
         assert runs[name]["status"] == "succeeded", runs
@@ -495,3 +537,8 @@ def test_an_oom_kill_resumes_the_run_and_a_run_that_always_ooms_is_dead_lettered
         attempts=sorted(r["attempt"] for r in runs.values()), hog_calls=kills,
         oom_killed_containers=reasons.count("OOMKilled"),
         dead_lettered=["oom-1"])
+
+
+def operator_log(node: Node) -> str:
+    return node.kubectl("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=operator",
+                        "--tail=40", check=False).stdout
