@@ -280,17 +280,8 @@ class KubeCluster:
     def create_deployment(
         self, name: str, ns: str = "default", replicas: int | None = 0, pool: str = "default"
     ) -> dict[str, Any]:
-        spec: dict[str, Any] = {
-            "selector": {"matchLabels": {"agentrun.dev/pool": pool}},
-            "template": {"metadata": {"labels": {"agentrun.dev/pool": pool}}, "spec": {
-                "containers": [{"name": "worker", "image": "agentrun"}]}},
-        }
-        if replicas is not None:
-            spec["replicas"] = replicas
-        return self.create(f"/apis/apps/v1/namespaces/{ns}/deployments", {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "namespace": ns}, "spec": spec,
-        })
+        return self.create(f"/apis/apps/v1/namespaces/{ns}/deployments",
+                           deployment_manifest(name, ns, replicas, pool))
 
     def create_pod(self, name: str, pool: str, ns: str = "default") -> dict[str, Any]:
         return self.create(f"/api/v1/namespaces/{ns}/pods", {
@@ -301,6 +292,21 @@ class KubeCluster:
 
     def pod(self, name: str, ns: str = "default") -> dict[str, Any] | None:
         return self.get(f"/api/v1/namespaces/{ns}/pods/{name}")
+
+
+def deployment_manifest(
+    name: str, ns: str, replicas: int | None, pool: str
+) -> dict[str, Any]:
+    """A worker Deployment of ``pool`` (no replicas: the API server's default of 1)."""
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"agentrun.dev/pool": pool}},
+        "template": {"metadata": {"labels": {"agentrun.dev/pool": pool}}, "spec": {
+            "containers": [{"name": "worker", "image": "agentrun"}]}},
+    }
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns}, "spec": spec}
 
 
 def wait_until(pred: Callable[[], Any], within: float, what: str, every: float = 0.05) -> Any:

@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import kubernetes
 import pytest
 import yaml
 from helmtools import helm, kubectl
+from kubekit import deployment_manifest, wait_until
 from kubernetes.client.exceptions import ApiException
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,17 +238,8 @@ class Kube:
     def create_deployment(
         self, name: str, ns: str | None = None, replicas: int | None = 0, pool: str = "default"
     ) -> dict[str, Any]:
-        spec: dict[str, Any] = {
-            "selector": {"matchLabels": {"agentrun.dev/pool": pool}},
-            "template": {"metadata": {"labels": {"agentrun.dev/pool": pool}}, "spec": {
-                "containers": [{"name": "worker", "image": "agentrun"}]}},
-        }
-        if replicas is not None:
-            spec["replicas"] = replicas
-        return self.create(f"/apis/apps/v1/namespaces/{self._ns(ns)}/deployments", {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "namespace": self._ns(ns)}, "spec": spec,
-        })
+        return self.create(f"/apis/apps/v1/namespaces/{self._ns(ns)}/deployments",
+                           deployment_manifest(name, self._ns(ns), replicas, pool))
 
     def pods(self, labels: dict[str, str], ns: str | None = None) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -300,17 +291,6 @@ def new_namespace(kube: Kube, labels: dict[str, str] | None = None) -> str:
     wait_until(lambda: kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60,
                f"the default ServiceAccount of {name}")
     return name
-
-
-def wait_until(pred: Callable[[], Any], within: float, what: str, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        time.sleep(every)
 
 
 @dataclass

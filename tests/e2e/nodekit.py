@@ -19,14 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubekit import wait_until as wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_IP = "10.244.77.1"
@@ -176,17 +175,6 @@ def start_model_server(scenario: dict[str, Any], port: int, tmp: Path) -> Proces
              "the model server")
     assert popen.poll() is None, log.read_text()
     return proc
-
-
-def wait_for(pred: Callable[[], Any], within: float, what: str, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 @dataclass
