@@ -169,9 +169,10 @@ class Installed:
     # -- one scenario -------------------------------------------------------------------------
 
     def scenario(self, name: str, disrupt: Callable[[], dict[str, Any] | None], *,
-                 runs: int = 4, within: float = 240) -> dict[str, Any]:
+                 runs: int = 4, within: float = 240, slow: bool = False) -> dict[str, Any]:
         wait_for(lambda: len(self.ready_workers()) >= 2, 180, "two ready workers")
-        self.apply_runs(name, runs)
+        self.apply_runs(name, runs, tasks=[f"{name} run {i}: SLOW" for i in range(runs)]
+                        if slow else None)
         # Mid-flight: every run has committed a few steps and is held by a worker.
         wait_for(lambda: len(r := self.runs(name)) == runs and all(
             x["step"] >= 3 and x["status"] == "running" for x in r.values()), 120,
@@ -179,9 +180,9 @@ class Installed:
         held = {n: r["owner"] for n, r in self.runs(name).items()}
         t0 = self.now()
         extra = disrupt() or {}
-        pod = extra.get("pod")
-        affected = sorted(n for n, owner in held.items() if pod and owner and
-                          owner.startswith(f"{pod}-"))
+        pods = [extra["pod"]] if "pod" in extra else extra.get("pods", [])
+        affected = sorted(n for n, owner in held.items() if owner and
+                          any(owner.startswith(f"{pod}-") for pod in pods))
         decided = self.finish(name, within)
         result = {**self.check(name, runs), "decisions": decided}
         handover = self.query(
@@ -379,13 +380,20 @@ def test_a_graceful_pod_delete_hands_the_runs_over_at_once(installed: Installed)
 
 def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
     def upgrade() -> dict[str, Any]:
+        old = installed.ready_workers()
         installed.node.helm(
             "upgrade", RELEASE, "charts/agentrun", "-n", NAMESPACE, "--reuse-values",
             # --set-string: a hex id of digits only would be a number, which the schema refuses.
             "--set-string", f"workers.poolDefaults.podAnnotations.e2e/rollout={uuid.uuid4().hex}")
-        return {}
+        installed.node.kubectl("rollout", "status", "-n", NAMESPACE, "--timeout=180s",
+                               f"deployment/{RELEASE}-agentrun-worker-default", timeout=200)
+        return {"pods": old}
 
-    figures = installed.scenario("upgrade", upgrade)
+    # Slow runs (2.8 s a turn): the old pods are replaced while they still hold them.
+    figures = installed.scenario("upgrade", upgrade, slow=True)
+    assert figures["affected"], figures
+    # Every old pod drained and handed its runs over: no attempt counted (a run whose lease
+    # had to expire would have been claimed again, which counts one).
     assert figures["attempts"] == [1, 1, 1, 1], figures
 
 
@@ -434,12 +442,16 @@ def test_a_node_drain_respects_the_disruption_budget(installed: Installed) -> No
             f"--pod-selector=app.kubernetes.io/instance={RELEASE},"
             "app.kubernetes.io/component=worker,agentrun.dev/pool=default", "--timeout=20s",
             check=False, timeout=90)
-        evicted = proc.stdout.count("evicted")
+        # kubectl prints "pod/NAME evicted" for each pod the Eviction API let go.
+        evicted = [ln.split()[0].split("/", 1)[1] for ln in proc.stdout.splitlines()
+                   if ln.startswith("pod/") and ln.endswith(" evicted")]
         installed.node.kubectl("uncordon", NODE_NAME)
-        return {"evicted": evicted, "drain_exit": proc.returncode}
+        return {"evicted": len(evicted), "pods": evicted, "drain_exit": proc.returncode}
 
     figures = installed.scenario("drain", drain)
     assert figures["evicted"] == 1, figures  # the budget held the second worker
+    # The evicted pod drained (preStop) and handed its runs over: no attempt counted.
+    assert figures["attempts"] == [1, 1, 1, 1], figures
 
 
 def test_a_scale_down_removes_idle_pods_never_a_busy_one(installed: Installed) -> None:
