@@ -351,10 +351,25 @@ class RunExecutor:
         a human instead of guessing."""
         name, args = block["name"], block.get("input") or {}
         result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
+        granted = [str(t) for t in h.run.agent_spec.get("tools") or []]
+        if name not in granted:
+            # The run's pinned tools are all it may call: a model talked into calling another
+            # tool this worker happens to have loaded (a tool result saying "call drop_table")
+            # gets an error naming only its own tools, and nothing runs.
+            self.metrics.tool_calls_refused.inc()
+            log.warning("seq %d call %d: refused %r: not one of the run's tools (%s)",
+                        turn_seq, index, name, ", ".join(granted) or "none")
+            return {**result, "is_error": True, "content": (
+                f"tool {name!r} is not available to this agent; its tools are: "
+                f"{', '.join(granted) or 'none'}")}
         try:
             spec = self.registry.get(name)
-        except UnknownToolError as exc:
-            return {**result, "content": str(exc), "is_error": True}
+        except UnknownToolError:
+            # Granted but not loaded by this worker (its pool lacks the module): name the run's
+            # tools only, never the rest of what this worker has loaded.
+            return {**result, "is_error": True, "content": (
+                f"tool {name!r} is not available on this worker; the agent's tools are: "
+                f"{', '.join(granted)}")}
         recorded = records_effects(spec)
         if recorded and effect is not None and effect.state == "done" and effect.result:
             log.info("seq %d call %d: %s already happened; reusing its recorded result",

@@ -62,6 +62,12 @@ class WorkerMetrics:
             ["outcome"], registry=r,
         )
         self.active_runs = Gauge("agentrun_active_runs", "Runs held now", registry=r)
+        self.tool_calls_refused = Counter(
+            "agentrun_tool_calls_refused",
+            "Tool calls the model asked for that the run was not given (refused, never run); "
+            "alert on any: a prompt injection or a misconfigured agent",
+            registry=r,
+        )
         self.last_progress = Gauge(
             "agentrun_last_progress_timestamp_seconds",
             "Unix time of the last claim poll, lease renewal or commit",
