@@ -42,8 +42,9 @@ def render(figures: dict[str, dict[str, Any]]) -> str:
         "Measured by the end-to-end tier (`pytest -m e2e -n 0 tests/e2e`; `python -m "
         "benchmarks.e2e_report`): a single-node Kubernetes 1.36 (kubelet, containerd, runc, a "
         "CNI bridge, memory cgroups) on 2 cores, the image built from the Dockerfile, the chart "
-        "installed with Helm, two worker pods in each fixed pool, AgentRuns broken mid-flight (each 17 "
-        "steps: 8 tool calls, pure, idempotent, non-idempotent with their idempotency key, and "
+        "installed with Helm, two worker pods in each fixed pool, AgentRuns broken mid-flight "
+        "(each 17 steps: 8 tool calls, pure, idempotent, non-idempotent with their idempotency "
+        "key, and "
         "irreversible). Each run's steps are contiguous, each non-idempotent and irreversible "
         "call wrote exactly one effect, or the tier fails.",
         "",
