@@ -162,8 +162,37 @@ def _declare(emulator: Emulator) -> None:
     )
 
 
+class RestVerbs:
+    """create/get/patch/delete over a subclass's ``request(method, path, body, content_type)``:
+    the emulator's client here and the real API server's (tests/realkube.Kube) share them."""
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        code, out = self.request("POST", path, obj)
+        assert code == 201, (code, out)
+        return dict(out)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        code, out = self.request("GET", path)
+        return dict(out) if code == 200 else None
+
+    def patch(
+        self, path: str, body: Any, content_type: str = "application/merge-patch+json"
+    ) -> dict[str, Any]:
+        code, out = self.request("PATCH", path, body, content_type)
+        assert code == 200, (code, out)
+        return dict(out)
+
+    def delete(self, path: str) -> int:
+        return self.request("DELETE", path)[0]
+
+
 @dataclass
-class KubeCluster:
+class KubeCluster(RestVerbs):
     """The emulator on 127.0.0.1 in a thread of its own, with a small synchronous client."""
 
     url: str = ""
@@ -234,22 +263,6 @@ class KubeCluster:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null")
 
-    def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
-        code, out = self.request("POST", path, obj)
-        assert code == 201, (code, out)
-        return dict(out)
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        code, out = self.request("GET", path)
-        return dict(out) if code == 200 else None
-
-    def patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        code, out = self.request("PATCH", path, body, "application/merge-patch+json")
-        assert code == 200, (code, out)
-        return dict(out)
-
-    def delete(self, path: str) -> int:
-        return self.request("DELETE", path)[0]
 
     def agentrun(self, name: str, ns: str = "default") -> dict[str, Any] | None:
         return self.get(f"{AGENTRUNS}/namespaces/{ns}/agentruns/{name}")

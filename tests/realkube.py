@@ -35,7 +35,7 @@ import kubernetes
 import pytest
 import yaml
 from helmtools import helm, kubectl
-from kubekit import deployment_manifest, wait_until
+from kubekit import RestVerbs, deployment_manifest, wait_until
 from kubernetes.client.exceptions import ApiException
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ class KubectlError(AssertionError):
 
 
 @dataclass
-class Kube:
+class Kube(RestVerbs):
     """A client of a real API server (its kubeconfig's credentials), bound to a namespace.
 
     The methods mirror tests/kubekit.KubeCluster (the emulator's client), so a test reads the
@@ -182,24 +182,6 @@ class Kube:
                 return exc.status, json.loads(exc.body or b"null")
             except ValueError:
                 return exc.status, {"message": str(exc.body)}
-
-    def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
-        code, out = self.request("POST", path, obj)
-        assert code == 201, (code, out)
-        return dict(out)
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        code, out = self.request("GET", path)
-        return dict(out) if code == 200 else None
-
-    def patch(self, path: str, body: Any,
-              content_type: str = "application/merge-patch+json") -> dict[str, Any]:
-        code, out = self.request("PATCH", path, body, content_type)
-        assert code == 200, (code, out)
-        return dict(out)
-
-    def delete(self, path: str) -> int:
-        return self.request("DELETE", path)[0]
 
     def _ns(self, ns: str | None) -> str:
         return ns or self.namespace
