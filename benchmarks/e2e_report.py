@@ -19,10 +19,12 @@ from typing import Any
 
 TITLES = {
     "sigkill": "worker SIGKILLed (the container's process, by containerd)",
+    "force": "worker pod force-deleted (`--grace-period=0 --force`)",
     "graceful": "worker pod deleted (preStop drain, then SIGTERM)",
     "upgrade": "`helm upgrade` rolling the worker pods",
     "operator": "operator pod force-deleted",
-    "postgres": "PostgreSQL unreachable from every pod, then back",
+    "pgrestart": "PostgreSQL restarted (immediate shutdown: a crash to its clients)",
+    "pgcut": "PostgreSQL unreachable from every pod, then back",
     "drain": "`kubectl drain` of the node under the PodDisruptionBudget, then uncordon",
     "oom": "worker OOM-killed by the kernel",
     "scale-down": "scale-down by the operator: idle pods removed, the busy one kept",

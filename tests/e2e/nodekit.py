@@ -5,10 +5,11 @@ README.md tells a platform engineer to.
 memory cgroups; ``build-images.sh`` builds the project's image from its Dockerfile with buildah
 and imports it into the node's containerd; a second image ``FROM`` it adds the test's tool module
 (tests/tool_modules/ledger_tools.py), as README says to add your own tools. Pods reach only the
-node's bridge address (10.244.77.1): PostgreSQL is the machine's own, reached through a TCP proxy
-of the test listening there (which the PostgreSQL scenario cuts), and the scripted model server
-listens there too. Everything is stopped by its own pid, and ``node-down.sh --wipe`` removes the
-bridge, cgroups, iptables chains and pods.
+node's bridge address (10.244.77.1): PostgreSQL is a server of the tier's own
+(benchmarks/own_pg.py, which the restart scenario restarts), reached through a TCP proxy of the
+test listening there (which the cut scenario cuts), and the scripted model server listens there
+too. Everything is stopped by its own pid, and ``node-down.sh --wipe`` removes the bridge,
+cgroups, iptables chains and pods.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ Figures go to ``$AGENTRUN_E2E_FIGURES`` (default e2e-figures.json in the pytest 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +30,6 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import db_url
 from helmtools import helm, kubectl
 from nodekit import (
     NAMESPACE,
@@ -45,10 +46,11 @@ from nodekit import (
     wait_for,
 )
 from proxykit import TcpProxy
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from agentrun.migrations import migrate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from own_pg import OwnPostgres
 
 # Building the image (~2.5 min on a fresh machine) is part of the first test's setup.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -114,8 +116,9 @@ def free_port(host: str) -> int:
 @dataclass
 class Installed:
     node: Node
+    pg: OwnPostgres  # the tier's own server, which the restart scenario restarts
     db: str  # the test's URL of the run store (127.0.0.1)
-    proxy: TcpProxy  # what pods use to reach it (on the bridge)
+    proxy: TcpProxy  # what pods use to reach it (on the bridge), which the cut scenario cuts
     model: Process
     figures: Figures
 
@@ -284,41 +287,39 @@ def chart_values(model_port: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory, admin_url: str) -> Iterator[Installed]:
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     scripts = check_host()
     home = tmp_path_factory.mktemp("node")
     node = Node(home, scripts, kubectl(), helm())
     figures = Figures(Path(os.environ.get("AGENTRUN_E2E_FIGURES")
                            or tmp_path_factory.getbasetemp() / "e2e-figures.json"))
-    dbname = f"agentrun_e2e_{uuid.uuid4().hex[:8]}"
+    # A PostgreSQL of the tier's own, never the machine's shared one: the restart scenario
+    # restarts it. Pods reach it through the proxy on the bridge (which the cut scenario cuts).
+    pg = OwnPostgres(settings={"max_connections": "300"})
     proxy: TcpProxy | None = None
     model: Process | None = None
     try:
         node.up()
         node.build_images()
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-        db = db_url(admin_url, dbname)
+        pg.start()
+        db = pg.url("postgres")
+
+        async def _migrate() -> None:
+            aconn = await psycopg.AsyncConnection.connect(db, autocommit=True)
+            try:
+                await migrate(aconn)
+            finally:
+                await aconn.close()
+
+        asyncio.run(_migrate())
         with psycopg.connect(db, autocommit=True) as conn:
-            import asyncio
-
-            async def _migrate() -> None:
-                aconn = await psycopg.AsyncConnection.connect(db, autocommit=True)
-                try:
-                    await migrate(aconn)
-                finally:
-                    await aconn.close()
-
-            asyncio.run(_migrate())
             ledger = (Path(__file__).parents[1] / "tool_modules" / "ledger_tools.py").read_text()
             schema = ledger.split('SCHEMA = """', 1)[1].split('"""', 1)[0]
             conn.execute(schema)  # type: ignore[call-overload]
-        parts = conninfo_to_dict(db)
-        proxy = TcpProxy((str(parts.get("host") or "127.0.0.1"), int(parts.get("port") or 5432)),
-                         host=NODE_IP).start()
+        proxy = TcpProxy(("127.0.0.1", pg.port), host=NODE_IP).start()
         model = start_model_server(scenario(), free_port(NODE_IP), home)
         model_port = model.popen.args[-1]  # type: ignore[index]
-        pod_db = f"postgresql://{parts.get('user') or 'postgres'}@{NODE_IP}:{proxy.port}/{dbname}"
+        pod_db = f"postgresql://postgres@{NODE_IP}:{proxy.port}/postgres"
         node.kubectl("create", "namespace", NAMESPACE)
         node.kubectl("-n", NAMESPACE, "create", "secret", "generic", "agentrun-db",
                      f"--from-literal=url={pod_db}")
@@ -328,7 +329,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory, admin_url: str) -> Itera
         values.write_text(yaml.safe_dump(chart_values(model_port)))
         node.helm("install", RELEASE, "charts/agentrun", "-n", NAMESPACE, "-f", str(values),
                   "--wait", "--timeout", "5m")
-        inst = Installed(node, db, proxy, model, figures)
+        inst = Installed(node, pg, db, proxy, model, figures)
         wait_for(lambda: len(inst.ready_workers()) == 2, 180, "two ready workers")
         yield inst
     finally:
@@ -337,9 +338,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory, admin_url: str) -> Itera
         if proxy is not None:
             proxy.stop()
         node.down()
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(dbname)))
+        pg.close()
 
 
 def test_helm_test_passes_on_the_installed_release(installed: Installed) -> None:
@@ -362,6 +361,22 @@ def test_a_worker_killed_with_sigkill_loses_nothing(installed: Installed) -> Non
     assert figures["affected"], figures
     assert figures["attempts"].count(2) == len(figures["affected"]), figures
     assert figures["affected_next_step_s"]["min"] >= LEASE_TTL * 0.5, figures
+
+
+def test_a_force_deleted_worker_pod_loses_nothing(installed: Installed) -> None:
+    def force_delete() -> dict[str, Any]:
+        pod = installed.holder_pod("force")
+        # What an operator types for a stuck pod: the object goes at once, the ReplicaSet makes
+        # a replacement, and the kubelet still stops the old container (its preStop runs on a
+        # real kubelet, so the runs may be handed over or may wait for their lease).
+        installed.node.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0",
+                               "--force")
+        return {"pod": pod}
+
+    figures = installed.scenario("force", force_delete)
+    assert figures["affected"], figures
+    # Whatever the kubelet did, a run is never claimed more than once for it.
+    assert max(figures["attempts"]) <= 2, figures
 
 
 def test_a_graceful_pod_delete_hands_the_runs_over_at_once(installed: Installed) -> None:
@@ -413,24 +428,41 @@ def test_the_operator_pod_killed_mid_run_costs_nothing(installed: Installed) -> 
                  .get("status", {}).get("phase") == "succeeded", 60, "the status mirrored")
 
 
-def test_postgresql_unreachable_mid_run_costs_nothing(installed: Installed) -> None:
-    def blind() -> bool:
-        # The operator reaches PostgreSQL through the same proxy: its condition says when the
-        # outage is seen from inside the cluster.
+def database_outage_seen(installed: Installed, prefix: str) -> Callable[[], bool]:
+    """True once the operator, which reaches PostgreSQL through the same proxy as the workers,
+    marks one of the runs DatabaseAvailable=False: the outage seen from inside the cluster."""
+    def seen() -> bool:
         for i in range(4):
-            conds = installed.node.get("agentrun", f"postgres-{i}", "-n", NAMESPACE).get(
+            conds = installed.node.get("agentrun", f"{prefix}-{i}", "-n", NAMESPACE).get(
                 "status", {}).get("conditions", [])
             if any(c["type"] == "DatabaseAvailable" and c["status"] == "False" for c in conds):
                 return True
         return False
+    return seen
 
+
+def test_postgresql_restarted_mid_run_costs_nothing(installed: Installed) -> None:
+    def restart() -> dict[str, Any]:
+        # An immediate shutdown is a crash to every client (no goodbye, crash recovery at the
+        # next start); the server stays down until the cluster has seen it gone.
+        installed.pg.stop(mode="immediate")
+        wait_for(database_outage_seen(installed, "pgrestart"), 90,
+                 "the outage seen in the cluster")
+        installed.pg.start()
+        return {"postgres_restarts": installed.pg.restarts}
+
+    figures = installed.scenario("pgrestart", restart)
+    assert figures["postgres_restarts"] >= 1, figures
+
+
+def test_postgresql_unreachable_mid_run_costs_nothing(installed: Installed) -> None:
     def outage() -> dict[str, Any]:
         installed.proxy.cut()  # every pod's connection dies; new ones are refused
-        wait_for(blind, 60, "the outage seen in the cluster")
+        wait_for(database_outage_seen(installed, "pgcut"), 60, "the outage seen in the cluster")
         installed.proxy.restore()
         return {}
 
-    installed.scenario("postgres", outage)
+    installed.scenario("pgcut", outage)
 
 
 def test_a_node_drain_respects_the_disruption_budget(installed: Installed) -> None:
