@@ -428,6 +428,114 @@ async def test_api_key_is_checked_when_the_scenario_sets_one() -> None:
         assert (await _create(right, [_user("hi")])).stop_reason == "end_turn"
 
 
+# --- stream faults: a 200 stream that goes wrong ----------------------------------------------
+
+STREAM_FAULTS: dict[str, Any] = {
+    "name": "stream-faults",
+    "record_bodies": True,
+    "scripts": [
+        {
+            "name": name,
+            "match": name,
+            "turns": [{"faults": [fault], "content": [{"text": "the real answer " * 8}]}],
+        }
+        for name, fault in {
+            "overloaded": {"stream": "error", "after_events": 3},
+            "refused": {"stream": "error", "type": "invalid_request_error", "message": "no"},
+            "pings": {"stream": "pings", "interval_ms": 20},
+            "garbage": {"stream": "garbage", "after_events": 3},
+            "truncated": {"stream": "truncated"},
+        }.items()
+    ],
+}
+
+
+@pytest.fixture
+async def faulty() -> AsyncIterator[FakeAnthropicServer]:
+    async with FakeAnthropicServer(parse_scenario(STREAM_FAULTS)) as srv:
+        yield srv
+
+
+async def _stream(
+    client: anthropic.AsyncAnthropic, text: str
+) -> tuple[list[str], anthropic.types.Message]:
+    request: dict[str, Any] = {"model": MODEL, "max_tokens": 100, "messages": [_user(text)]}
+    async with client.messages.stream(**request) as stream:
+        types = [event.type async for event in stream]
+        return types, await stream.get_final_message()
+
+
+async def test_an_error_event_inside_a_200_stream_reaches_the_sdk_with_its_type(
+    faulty: FakeAnthropicServer,
+) -> None:
+    client = anthropic.AsyncAnthropic(base_url=faulty.base_url, api_key="x", max_retries=0)
+    for text, etype in [("overloaded", "overloaded_error"), ("refused", "invalid_request_error")]:
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            await _stream(client, text)
+        assert caught.value.status_code == 200  # the stream had started: the status says nothing
+        body = caught.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == etype
+    assert body["error"]["message"] == "no"
+    # Only the first request of the turn is faulty: the next one streams the real answer.
+    types, message = await _stream(client, "overloaded")
+    assert types[-1] == "message_stop" and message.stop_reason == "end_turn"
+    log = faulty.requests()
+    assert [(e["script"], e["status"], e.get("fault")) for e in log] == [
+        ("overloaded", 200, "stream error"),
+        ("refused", 200, "stream error"),
+        ("overloaded", 200, None),
+    ]
+
+
+async def test_a_stream_of_pings_never_ends_and_no_read_timeout_fires(
+    faulty: FakeAnthropicServer,
+) -> None:
+    # The SDK's timeout is per read: pings every 20 ms keep a 0.5 s read timeout from firing.
+    client = anthropic.AsyncAnthropic(
+        base_url=faulty.base_url, api_key="x", max_retries=0, timeout=0.5
+    )
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(_stream(client, "pings"), timeout=2)
+    for _ in range(100):  # the server notices at its next ping, 20 ms later
+        if faulty.requests()[-1].get("disconnected"):
+            break
+        await asyncio.sleep(0.05)
+    entry = faulty.requests()[-1]
+    assert entry["fault"] == "stream pings"
+    assert entry["disconnected"] is True and entry["completed"] is False
+
+
+async def test_a_malformed_stream_breaks_the_sdk_or_ends_without_message_stop(
+    faulty: FakeAnthropicServer,
+) -> None:
+    client = anthropic.AsyncAnthropic(base_url=faulty.base_url, api_key="x", max_retries=0)
+    with pytest.raises(json.JSONDecodeError):
+        await _stream(client, "garbage")
+    # A data line cut mid-JSON, then the end: the SDK drops the incomplete event and hands out
+    # what it had, a message with no stop_reason. A client must check for message_stop itself.
+    types, message = await _stream(client, "truncated")
+    assert types == ["message_start"]
+    assert message.stop_reason is None and message.content == []
+    assert [e.get("fault") for e in faulty.requests()] == ["stream garbage", "stream truncated"]
+
+
+async def test_a_stream_fault_needs_a_streaming_request_and_bodies_are_recorded_raw(
+    faulty: FakeAnthropicServer,
+) -> None:
+    client = anthropic.AsyncAnthropic(base_url=faulty.base_url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="`stream: error` fault, which needs a"):
+        await client.messages.create(
+            model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "overloaded"}]
+        )
+    body = faulty.requests()[0]["body"]
+    assert isinstance(body, str)
+    assert json.loads(body) == {
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "overloaded"}],
+        "model": MODEL,
+    }
+
+
 # --- introspection and the threaded server -----------------------------------------------------
 
 
@@ -449,6 +557,7 @@ def test_threaded_server_and_introspection_endpoints(scenario: Scenario) -> None
             "stream": False,
         }
         assert (entry["script"], entry["turn"], entry["status"]) == ("weather", 0, 200)
+        assert "body" not in entry  # raw bodies only with `record_bodies: true`
         reset = urllib.request.Request(f"{srv.base_url}/_fake/reset", method="POST", data=b"")
         with urllib.request.urlopen(reset) as response:
             assert json.load(response) == {"ok": True}
@@ -514,6 +623,19 @@ def test_shorthand_and_explicit_blocks_are_the_same(scenario: Scenario) -> None:
             "        faults: [{status: 200}]\n",
             "scripts.0.turns.0.faults.0.status",
             id="bad-fault-status",
+        ),
+        pytest.param(
+            "name: x\nscripts:\n  - name: s\n    turns:\n      - content: [{text: hi}]\n"
+            "        faults: [{status: 529, stream: error}]\n",
+            "scripts.0.turns.0.faults.0: Value error, a fault sets exactly one of `status`",
+            id="fault-of-two-kinds",
+        ),
+        pytest.param(
+            "name: x\nscripts:\n  - name: s\n    turns:\n      - content: [{text: hi}]\n"
+            "        faults: [{stream: stall}]\n",
+            "scripts.0.turns.0.faults.0.stream: Input should be 'error', 'pings', 'garbage' or "
+            "'truncated'",
+            id="unknown-stream-fault",
         ),
         pytest.param("name: x\nscripts: [\n", "not valid YAML", id="bad-yaml"),
     ],

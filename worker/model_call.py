@@ -4,17 +4,32 @@ The SDK's own retries are off (``max_retries=0``): retrying here keeps the run's
 heartbeat runs beside the backoff), logs each retry with the run id, counts it in metrics, and lets
 a cancellation interrupt a backoff at once.
 
-* 429, 529, 5xx, 408, 409 and connection failures (including a read timeout in the middle of a
-  stream, which surfaces as a bare httpx error) are transient: retried with exponential backoff and
-  full jitter, honouring ``retry-after``; after ``max_retries`` the claim is given up, so the run's
-  attempt counter (and, past it, the dead letter) decides.
-* 400, 401, 403, 404, 413, 422 are permanent (a retired model, a bad key): the run fails at once
-  with the provider's own message.
+An error is classified by the error ``type`` in its body when it has one, else by its HTTP status:
+an overload can arrive as an ``event: error`` inside a stream whose status was 200.
+
+* Transient, retried with exponential backoff and full jitter (honouring ``retry-after``), up to
+  ``max_retries`` times, after which the claim is given up so that the run's attempt counter (and,
+  past it, the dead letter) decides: the types ``overloaded_error``, ``api_error``,
+  ``rate_limit_error``, ``timeout_error``; without a known type 429, 529, 5xx, 408, 409; an error
+  event of an unknown type in a 200 stream; connection failures (including a read timeout in the
+  middle of a stream, which surfaces as a bare httpx error); a malformed stream (a data line that
+  is not JSON, events the SDK cannot assemble, a stream that ends before ``message_stop``); and a
+  call that outlasts its overall deadline (the SDK's timeout is per read, so a stream of pings
+  alone would never end).
+* Permanent, the run fails at once with the provider's own message: the types
+  ``invalid_request_error``, ``authentication_error``, ``permission_error``, ``not_found_error``,
+  ``request_too_large``, ``billing_error``; without a known type any other 4xx (a retired model,
+  a bad key).
+
+The request is built from the pinned prompt version and the history in canonical key order, the
+form the prompt version is stored in: the first worker and every resumed one send the same bytes,
+so the provider's prompt cache keeps hitting across a resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -24,7 +39,8 @@ from typing import Any
 import anthropic
 import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
 
-from agentrun.store import PromptVersion
+from agentrun.config import DEFAULT_MODEL_DEADLINE
+from agentrun.store import PromptVersion, canonical_json
 
 log = logging.getLogger("agentrun.worker.model")
 
@@ -35,6 +51,14 @@ class PermanentModelError(Exception):
 
 class TransientExhausted(Exception):
     """Transient failures outlasted the retry budget; the worker gives the claim up."""
+
+
+class MalformedStream(Exception):
+    """The 200 stream could not be read as a Message (a transient failure of the provider)."""
+
+
+class DeadlineExceeded(Exception):
+    """The call gave no complete answer within its overall deadline (a transient failure)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,8 @@ class RetryPolicy:
     max_retries: int = 8
     base_delay: float = 0.5
     max_delay: float = 30.0
+    # One call, from the request to the assembled message; each retry gets a new one.
+    deadline: float = DEFAULT_MODEL_DEADLINE
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -59,19 +85,39 @@ class RetryPolicy:
 
 
 TRANSIENT_STATUS = {408, 409, 429}
+# The API's error types (docs.anthropic.com/en/api/errors); they decide before the status does.
+TRANSIENT_TYPES = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
+PERMANENT_TYPES = frozenset({
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+    "request_too_large", "billing_error",
+})
+# What the SDK raises when the bytes of a 200 stream are not a Message: JSONDecodeError and
+# UnicodeDecodeError (ValueError), pydantic's ValidationError (ValueError), "Unexpected event
+# order" (RuntimeError), a delta for a block that never started (IndexError), an event of no
+# known shape (TypeError). Provider and transport errors derive from none of these.
+_MALFORMED = (ValueError, RuntimeError, LookupError, TypeError)
+
+
+def _canonical(value: Any) -> Any:
+    return json.loads(canonical_json(value))
 
 
 def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The request body, entirely from the run's pinned prompt version plus its history."""
+    """The request body, entirely from the run's pinned prompt version plus its history.
+
+    Tools and messages go in canonical key order, the order the prompt version is stored in:
+    the resolved tool definitions (insertion order), the history rebuilt from JSONB (its own key
+    order) and the live turns (the SDK's order) would otherwise serialize to different bytes
+    before and after a resume, and the provider's prompt cache would miss."""
     req: dict[str, Any] = {
         "model": pv.model,
         "max_tokens": int(pv.params.get("max_tokens", 8192)),
-        "messages": messages,
+        "messages": _canonical(messages),
     }
     if pv.system:
         req["system"] = pv.system
     if pv.tools:
-        req["tools"] = pv.tools
+        req["tools"] = _canonical(pv.tools)
     thinking = pv.params.get("thinking")
     if thinking:
         req["thinking"] = {"type": "enabled", "budget_tokens": int(thinking["budget_tokens"])}
@@ -89,22 +135,59 @@ def _retry_after(exc: Exception) -> float | None:
         return None
 
 
-def _provider_message(exc: anthropic.APIStatusError) -> str:
+def _error_body(exc: anthropic.APIStatusError) -> dict[str, Any]:
     body = exc.body
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return f"{exc.status_code} {err.get('type', 'error')}: {err['message']}"
-    return f"{exc.status_code}: {exc.message}"
+    err = body.get("error") if isinstance(body, dict) else None
+    return err if isinstance(err, dict) else {}
+
+
+def error_type(exc: anthropic.APIStatusError) -> str | None:
+    """The error ``type`` of the body (``overloaded_error``...), if it has one."""
+    etype = _error_body(exc).get("type")
+    return etype if isinstance(etype, str) else None
+
+
+def _in_stream(exc: anthropic.APIStatusError) -> bool:
+    """An ``event: error`` inside a stream: the SDK raises it with the stream's own 200."""
+    return exc.status_code < 400
+
+
+def _provider_message(exc: anthropic.APIStatusError) -> str:
+    err = _error_body(exc)
+    where = "error event in the stream" if _in_stream(exc) else str(exc.status_code)
+    if err.get("message"):
+        return f"{where} {err.get('type', 'error')}: {err['message']}"
+    return f"{where}: {exc.message}"
+
+
+def _reason(exc: Exception) -> str:
+    """The metric label and log word for a transient failure."""
+    if isinstance(exc, anthropic.APIStatusError):
+        if _in_stream(exc):
+            return error_type(exc) or "stream_error"
+        return str(exc.status_code)
+    if isinstance(exc, MalformedStream):
+        return "malformed_stream"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    return type(exc).__name__
 
 
 def classify(exc: BaseException) -> str:
     """'transient', 'permanent' or 'unknown' (re-raised)."""
     if isinstance(exc, anthropic.APIStatusError):
+        etype = error_type(exc)
+        if etype in TRANSIENT_TYPES:
+            return "transient"
+        if etype in PERMANENT_TYPES:
+            return "permanent"
         code = exc.status_code
-        if code in TRANSIENT_STATUS or code >= 500:
+        # An error event of a type we do not know broke a 200 stream off: retry it, bounded.
+        if _in_stream(exc) or code in TRANSIENT_STATUS or code >= 500:
             return "transient"
         return "permanent"
+    if isinstance(exc, MalformedStream | DeadlineExceeded):
+        return "transient"
     if isinstance(exc, anthropic.APIConnectionError | httpx.TransportError):
         return "transient"  # includes APITimeoutError and a bare httpx ReadTimeout mid-stream
     return "unknown"
@@ -126,21 +209,7 @@ async def call_model(
     attempt = 0
     while True:
         try:
-            async with client.messages.stream(**request) as stream:
-                first = True
-                async for _event in stream:
-                    if first and on_first_event is not None:
-                        on_first_event()
-                    first = False
-                message = await stream.get_final_message()
-                request_id = stream.request_id
-            return ModelTurn(
-                payload=message.to_dict(),
-                request_id=request_id,
-                stop_reason=message.stop_reason,
-                input_tokens=message.usage.input_tokens,
-                output_tokens=message.usage.output_tokens,
-            )
+            return await _call_once(client, request, policy.deadline, on_first_event)
         except Exception as exc:
             kind = classify(exc)
             if kind == "permanent":
@@ -148,18 +217,70 @@ async def call_model(
                 raise PermanentModelError(_provider_message(exc)) from None
             if kind != "transient":
                 raise
-            reason = (
-                str(exc.status_code)
-                if isinstance(exc, anthropic.APIStatusError)
-                else type(exc).__name__
-            )
+            reason, detail = _reason(exc), " ".join(str(exc).split())[:300]
             if attempt >= policy.max_retries:
                 raise TransientExhausted(
-                    f"model call failed {attempt + 1} times; last: {reason} {exc}"
+                    f"model call failed {attempt + 1} times; last: {reason}: {detail}"
                 ) from None
             delay = policy.delay(attempt, _retry_after(exc))
-            log.warning("model call failed (%s); retry %d in %.2fs", reason, attempt + 1, delay)
+            log.warning("model call failed (%s: %s); retry %d in %.2fs",
+                        reason, detail, attempt + 1, delay)
             if on_retry is not None:
                 on_retry(reason)
             attempt += 1
             await sleep(delay)
+
+
+async def _call_once(
+    client: anthropic.AsyncAnthropic,
+    request: dict[str, Any],
+    deadline: float,
+    on_first_event: OnEvent | None,
+) -> ModelTurn:
+    """One request, its whole stream read within ``deadline`` seconds."""
+    timeout = asyncio.timeout(deadline)
+    try:
+        async with timeout:
+            return await _stream_turn(client, request, on_first_event)
+    except TimeoutError:
+        if not timeout.expired():
+            raise  # not ours (a cancellation of the run is a CancelledError and passes through)
+        raise DeadlineExceeded(
+            f"no complete answer within the {deadline:g}s model call deadline"
+        ) from None
+
+
+async def _stream_turn(
+    client: anthropic.AsyncAnthropic,
+    request: dict[str, Any],
+    on_first_event: OnEvent | None,
+) -> ModelTurn:
+    async with client.messages.stream(**request) as stream:
+        events = aiter(stream)
+        first, stopped = True, False
+        while True:
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                break
+            except _MALFORMED as exc:
+                raise MalformedStream(
+                    f"malformed stream: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                ) from exc
+            if first and on_first_event is not None:
+                on_first_event()
+            first = False
+            stopped = stopped or event.type == "message_stop"
+        if not stopped:
+            # The SDK hands out whatever it assembled (no stop_reason, maybe no content): it is
+            # not a turn, and committing it would put a broken message into the history.
+            raise MalformedStream("malformed stream: it ended before message_stop")
+        message = await stream.get_final_message()
+        request_id = stream.request_id
+    return ModelTurn(
+        payload=message.to_dict(),
+        request_id=request_id,
+        stop_reason=message.stop_reason,
+        input_tokens=message.usage.input_tokens,
+        output_tokens=message.usage.output_tokens,
+    )

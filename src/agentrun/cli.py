@@ -28,7 +28,13 @@ if TYPE_CHECKING:
 
 from agentrun import __version__
 from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
-from agentrun.config import DATABASE_URL_ENV, env_float, env_int, redact_url
+from agentrun.config import (
+    DATABASE_URL_ENV,
+    DEFAULT_MODEL_DEADLINE,
+    env_float,
+    env_int,
+    redact_url,
+)
 from agentrun.embedded import database_url
 from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
@@ -260,6 +266,12 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not args.model_deadline > 0:  # NaN too: every call would expire at once, or never
+        raise ConfigError(
+            f"--model-deadline (AGENTRUN_MODEL_DEADLINE) is {args.model_deadline:g}; "
+            f"give the seconds one model call may take, more than 0 "
+            f"(default {DEFAULT_MODEL_DEADLINE:g})"
+        )
     health_port = None if args.health_port < 0 else args.health_port
     # Before the tools, the database and the first claim: a taken port stops nothing midway.
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
@@ -277,7 +289,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         liveness_threshold=args.liveness_threshold,
         health_port=health_port,
         worker_id=args.worker_id or default_worker_id(),
-        retry=RetryPolicy(max_retries=args.model_retries),
+        retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
     )
     if loaded:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
@@ -441,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
     )
     s.add_argument("--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8))
+    s.add_argument(
+        "--model-deadline",
+        type=float,
+        default=env_float("AGENTRUN_MODEL_DEADLINE", DEFAULT_MODEL_DEADLINE),
+        help="seconds one model call may take in all (a transient failure past it)",
+    )
     s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))

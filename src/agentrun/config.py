@@ -17,6 +17,9 @@ from psycopg.conninfo import conninfo_to_dict
 from agentrun.errors import ConfigError
 
 DATABASE_URL_ENV = "AGENTRUN_DATABASE_URL"
+# Seconds one model call may take in all, request to assembled message (the SDK's own timeout is
+# per read: a stream of pings alone would never end). Past it the call is a transient failure.
+DEFAULT_MODEL_DEADLINE = 600.0
 
 
 def redact_url(url: str) -> str:

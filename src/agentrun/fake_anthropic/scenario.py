@@ -97,22 +97,49 @@ def _expand_shorthand(value: Any) -> Any:
     return {"type": kind, **value}
 
 
-class Fault(_Strict):
-    """An error answered instead of the real turn, ``times`` times in a row."""
+StreamFault = Literal["error", "pings", "garbage", "truncated"]
 
-    status: int = Field(ge=400, le=599)
+
+class Fault(_Strict):
+    """A failure answered instead of the real turn, ``times`` times in a row: an HTTP error
+    (``status``), or a 200 stream that goes wrong after its first ``after_events`` events
+    (``stream``): an ``event: error`` of ``type`` (``error``), pings and nothing else until the
+    client gives up (``pings``), a line of garbage and a data line that is not JSON
+    (``garbage``), or a data line cut off in the middle of its JSON, then the end of the
+    response (``truncated``)."""
+
+    status: int | None = Field(default=None, ge=400, le=599)
+    stream: StreamFault | None = None
     times: int = Field(default=1, ge=1)
     retry_after: float | None = Field(default=None, gt=0)
-    type: str | None = None  # defaults to the real API's type for the status
+    type: str | None = None  # defaults to the real API's type for the status / overloaded_error
     message: str | None = None
+    after_events: int = Field(default=1, ge=0)  # stream faults: events of the real answer first
+    interval_ms: int = Field(default=100, ge=1)  # pings: the wait between two pings
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Fault:
+        if (self.status is None) == (self.stream is None):
+            raise ValueError("a fault sets exactly one of `status` (an HTTP error) or `stream`")
+        if self.stream is not None and self.retry_after is not None:
+            raise ValueError("retry_after is for HTTP faults (`status`), not stream faults")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """For the request log: ``http 429`` or ``stream error``."""
+        return f"http {self.status}" if self.status is not None else f"stream {self.stream}"
 
     @property
     def error_type(self) -> str:
-        return self.type or error_type_for(self.status)
+        if self.type:
+            return self.type
+        return error_type_for(self.status) if self.status is not None else "overloaded_error"
 
     @property
     def error_message(self) -> str:
-        return self.message or f"fake-anthropic: injected {self.status} ({self.error_type})"
+        what = self.status if self.status is not None else "mid-stream"
+        return self.message or f"fake-anthropic: injected {what} ({self.error_type})"
 
 
 class Turn(_Strict):
@@ -166,6 +193,7 @@ class Scenario(_Strict):
     api_key: str | None = None  # None: any x-api-key is accepted
     delay_ms: int = Field(default=0, ge=0)
     stream_delay_ms: int = Field(default=0, ge=0)
+    record_bodies: bool = False  # keep each request's raw body in the request log (as `body`)
     scripts: list[Script] = Field(min_length=1)
 
     @model_validator(mode="after")

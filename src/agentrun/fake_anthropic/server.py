@@ -9,6 +9,8 @@ log live in memory; ``POST /_fake/reset`` clears both.
 Streaming emits the same server-sent events as the real API (message_start, ping,
 content_block_start/delta/stop, message_delta, message_stop), built from the very dict the
 non-streaming call returns, so ``stream.get_final_message()`` equals the non-streaming Message.
+A stream fault cuts that answer short and breaks it the ways a real provider or proxy can: an
+``event: error`` inside the 200 stream, pings and nothing else, malformed events.
 """
 
 from __future__ import annotations
@@ -303,8 +305,13 @@ class _Handlers:
         self.state.log.append(entry)
         try:
             _check_api_key(scenario, request)
+            data = await request.read()
+            if scenario.record_bodies:
+                # The bytes as sent: a test can check that a resumed client sends exactly what
+                # the first one did (the prompt cache keys on the bytes, not on their meaning).
+                entry["body"] = data.decode("utf-8", errors="replace")
             try:
-                raw = await request.json()
+                raw = json.loads(data)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ApiError(400, "request body is not valid JSON") from None
             body = _validate_body(raw)
@@ -326,7 +333,15 @@ class _Handlers:
                 await asyncio.sleep(delay_ms / 1000)
             fault = self.state.next_fault(script, turn_index, turn)
             if fault is not None:
-                raise _fault_error(fault)
+                entry["fault"] = fault.kind
+                if fault.status is not None:
+                    raise _fault_error(fault)
+                if not entry["stream"]:
+                    raise ApiError(
+                        400,
+                        f"fake-anthropic: script {script.name!r} turn {turn_index} has a "
+                        f"`stream: {fault.stream}` fault, which needs a streaming request",
+                    )
             message = build_message(scenario, script, turn_index, body)
         except ApiError as err:
             entry.update(status=err.status, error=err.message, completed=True)
@@ -347,7 +362,7 @@ class _Handlers:
         stream_delay = turn.stream_delay_ms
         if stream_delay is None:
             stream_delay = scenario.stream_delay_ms
-        return await _stream(request, request_id, message, stream_delay / 1000, entry)
+        return await _stream(request, request_id, message, stream_delay / 1000, entry, fault)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         request_id = _request_id()
@@ -375,6 +390,7 @@ class _Handlers:
 
 
 def _fault_error(fault: Fault) -> ApiError:
+    assert fault.status is not None
     err = ApiError(fault.status, fault.error_message, fault.error_type)
     if fault.retry_after is not None:
         seconds = fault.retry_after
@@ -389,8 +405,10 @@ async def _stream(
     message: dict[str, Any],
     delay: float,
     entry: dict[str, Any],
+    fault: Fault | None = None,
 ) -> web.StreamResponse:
-    """Write the events with ``delay`` seconds between them; a vanished client is not an error."""
+    """Write the events with ``delay`` seconds between them; a vanished client is not an error.
+    A stream ``fault`` cuts the answer after its first events and goes wrong as it says."""
     response = web.StreamResponse(
         headers={
             "content-type": "text/event-stream",
@@ -400,13 +418,17 @@ async def _stream(
     )
     entry.update(completed=False, disconnected=False)
     events = list(stream_events(message))
+    if fault is not None:
+        events = events[: fault.after_events]
     try:
         # A client killed before the headers went out (a SIGKILLed worker) is a disconnect too.
         await response.prepare(request)
         for n, (name, data) in enumerate(events):
             await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-            if delay and n < len(events) - 1:
+            if delay and (n < len(events) - 1 or fault is not None):
                 await asyncio.sleep(delay)
+        if fault is not None:
+            await _go_wrong(response, fault, request_id)
         await response.write_eof()
     except ConnectionError:
         log.info("client went away mid-stream (%s)", request_id)
@@ -414,6 +436,32 @@ async def _stream(
         return response
     entry["completed"] = True
     return response
+
+
+async def _go_wrong(response: web.StreamResponse, fault: Fault, request_id: str) -> None:
+    """The end of a faulty stream; ``pings`` returns only when the client goes away."""
+    if fault.stream == "error":
+        error = {
+            "type": "error",
+            "error": {"type": fault.error_type, "message": fault.error_message},
+            "request_id": request_id,
+        }
+        await response.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
+    elif fault.stream == "pings":
+        ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+        while True:  # until the client disconnects (ConnectionError) or the server stops
+            await response.write(ping)
+            await asyncio.sleep(fault.interval_ms / 1000)
+    elif fault.stream == "garbage":
+        await response.write(
+            b"%%% this line is not server-sent events %%%\n"
+            b"event: content_block_delta\ndata: {this is not JSON\n\n"
+        )
+    elif fault.stream == "truncated":
+        # No blank line after it: the event is never complete, and the response ends here.
+        await response.write(
+            b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, "del'
+        )
 
 
 def build_app(state: ServerState) -> web.Application:
