@@ -11,16 +11,17 @@ tests/tool_modules/ledger_tools.py, which write an effect ledger; ``--odd-payloa
 bytes, lone surrogates, odd but valid unicode or about 250 KB, with a model that says NUL bytes
 and odd unicode back, on a task in odd unicode.
 
-Each chaos step (every 1-4 s, seeded) SIGSTOPs a worker (``--sigstop-rate``, default 0.15 of
-the steps) or else SIGKILLs (80%) or SIGTERMs one; a killed worker is replaced at once, as
-Kubernetes would, and so is a stopped one (a frozen process is not a dead pod). A stopped worker
-is a zombie: it stays stopped for 1.5-4 lease TTLs and until the runs it held are taken by
-others, then gets SIGCONT and either carries on or is SIGKILLed 0.2-3 s later (seeded), its
-threads having had that long to act on leases they no longer hold. A worker that exits by itself
-is replaced too. Runs whose irreversible call has an unknown outcome are decided by a scripted
-on-call human who looks at the ledger (it happened: reject the retry; it did not: approve it).
-``--continuous`` keeps ``--runs`` runs unfinished for as long as the chaos goes on (without it
-the soak stops once every run has finished).
+Each chaos step (every 1-4 s, seeded) SIGSTOPs a worker that holds runs (``--sigstop-rate``,
+default 0.15 of the steps) or else SIGKILLs (80%) or SIGTERMs one. A killed worker is replaced at
+once, as Kubernetes would; so is a stopped one (Kubernetes might not notice: the soak does, so
+that the stopped worker's runs have somewhere to go). A stopped worker is a zombie: it stays
+stopped for 1.5-4 lease TTLs and until the runs it held are taken by others, then gets SIGCONT
+and either carries on or is SIGKILLed 0.2-3 s later (seeded), its threads having had that long
+to act on leases they no longer hold. A worker that exits by itself is replaced too. Runs whose
+irreversible call has an unknown outcome are decided by a scripted on-call human who looks at the
+ledger (it happened: reject the retry; it did not: approve it). ``--continuous`` keeps ``--runs``
+runs unfinished for as long as the chaos goes on (without it the soak stops once every run has
+finished).
 
 Unless ``--database-url`` is given, the soak runs its own PostgreSQL server (own_pg.py: initdb in a
 temporary directory, a free port), which ``--pg-restarts N`` stops (``pg_ctl -m fast``) and starts
@@ -547,21 +548,15 @@ async def soak(
         say(f"PostgreSQL restarted ({report.pg_restarts}/{pg_restarts}), down {down_s:.1f} s")
 
     async def zombie(
-        victim: subprocess.Popen[bytes], stop_s: float, kill_after: float | None
+        victim: subprocess.Popen[bytes], held: set[str], stop_s: float, kill_after: float | None
     ) -> None:
-        """Freeze a worker past its lease, wait for the others to take its runs, thaw it (and
-        maybe kill it a moment later: its threads have had that moment to act)."""
+        """Keep a stopped worker stopped past its lease and until the others have taken its
+        runs, thaw it, and maybe kill it a moment later (its threads have had that moment)."""
         name = fleet.names[victim.pid]
-        try:
-            held = await held_by(store, name)
-        except DB_ERRORS:
-            held = set()
-        fleet.stop(victim)
-        report.zombies += 1
         t0 = time.monotonic()
         await asyncio.sleep(stop_s)
         still = held
-        while held and time.monotonic() < t0 + stop_s + ZOMBIE_WAIT_S:
+        while time.monotonic() < t0 + stop_s + ZOMBIE_WAIT_S:
             with contextlib.suppress(*DB_ERRORS):
                 still = held & await held_by(store, name)
                 if not still:
@@ -569,31 +564,42 @@ async def soak(
             await asyncio.sleep(0.5)
         report.zombie_runs_taken += len(held - still)
         fleet.cont(victim)
-        say(f"zombie {name}: stopped {time.monotonic() - t0:.1f} s, {len(held - still)} of "
-            f"its {len(held)} runs taken; " + ("carries on" if kill_after is None else
-            f"SIGKILL in {kill_after:.1f} s"))  # fmt: skip
+        fate = "carries on" if kill_after is None else f"SIGKILL in {kill_after:.1f} s"
+        say(f"zombie {name}: stopped {time.monotonic() - t0:.1f} s, {len(held - still)} of its "
+            f"{len(held)} runs taken; {fate}")  # fmt: skip
         if kill_after is not None:
             await asyncio.sleep(kill_after)
             if victim.poll() is None:
                 fleet.hit(victim, signal.SIGKILL)
                 report.zombies_killed += 1
 
+    zombie_due = False
+
     async def chaos_step() -> None:
+        nonlocal zombie_due
         live = fleet.live()
         if not live:
             return
-        if kinds.random() < sigstop_rate:
-            # A worker that holds runs, if any does: a zombie without leases proves little.
-            try:
-                holders = await store.lease_holders("default")
-            except DB_ERRORS:
-                holders = {}
-            busy = [p for p in live if fleet.names[p.pid] in holders]
-            victim = rng.choice(busy or live)
+        zombie_due = zombie_due or kinds.random() < sigstop_rate
+        if zombie_due:
+            # Only a worker that holds runs makes a zombie worth the name: if none does now,
+            # the stop waits for the next step.
+            held: dict[int, set[str]] = {}
+            with contextlib.suppress(*DB_ERRORS):
+                for p in live:
+                    held[p.pid] = await held_by(store, fleet.names[p.pid])
+            busy = [p for p in live if held.get(p.pid)]
+            if not busy:
+                return
+            victim = rng.choice(busy)
             stop_s = rng.uniform(1.5, 4.0) * LEASE_TTL_S
             kill_after = rng.uniform(0.2, 3.0) if rng.random() < 0.5 else None
-            zombies.append(asyncio.create_task(zombie(victim, stop_s, kill_after)))
-            await asyncio.sleep(0)  # let it SIGSTOP before the fleet is topped up
+            fleet.stop(victim)
+            report.zombies += 1
+            zombie_due = False
+            zombies.append(
+                asyncio.create_task(zombie(victim, held[victim.pid], stop_s, kill_after))
+            )
         elif rng.random() < 0.8:
             fleet.hit(rng.choice(live), signal.SIGKILL)
             report.kills += 1

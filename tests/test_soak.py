@@ -70,12 +70,13 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
     """The default maxAttempts, SIGKILLs, SIGTERMs, SIGSTOPped zombies, two PostgreSQL restarts
     and one odd-payload run of each kind: every healthy run succeeds (none dead-lettered), every
     odd one ends, exactly once per effect, and the odd ones read back as produced."""
-    # Seed 11's chaos steps: a zombie at the 1st, 2nd, 9th and 10th (a share of 0.25).
+    # Seed 11's chaos steps: a zombie due at the 1st, 2nd, 9th and 10th (a share of 0.25).
     report = await _soak(
         own_postgres, runs=12, seconds=30, pg_restarts=2, sigstop_rate=0.25, odd_payloads=1 / 3
     )
     print(report)
     assert report.zombies >= 1 and report.kills + report.terms >= 3
+    assert report.zombie_runs_taken >= 1  # a zombie is stopped until others took its runs
     assert report.pg_restarts == own_postgres.restarts == 2
     assert report.odd_runs == 4  # one of each kind: nul, surrogates, unicode, huge
     assert report.dead_lettered == 0, report.problems  # a healthy run is never given up on
