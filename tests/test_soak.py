@@ -15,13 +15,25 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_tools import ODD_PAYLOADS
 from own_pg import OwnPostgres
-from soak import EFFECTS_PER_RUN, Report, check, ledger_schema, odd_task, soak
+from soak import (
+    EFFECTS_PER_RUN,
+    Report,
+    check,
+    ledger_schema,
+    model_text,
+    odd_task,
+    odd_turns,
+    soak,
+)
 
 from agentrun.migrations import migrate
 
@@ -45,7 +57,12 @@ def own_postgres() -> Iterator[OwnPostgres]:
 
 
 async def _soak(
-    pg: OwnPostgres, runs: int, seconds: float, pg_restarts: int, **kw: float
+    pg: OwnPostgres,
+    runs: int,
+    seconds: float,
+    pg_restarts: int,
+    sigstop_rate: float = 0.15,
+    odd_payloads: float = 0.1,
 ) -> Report:
     logdir = Path(tempfile.mkdtemp(prefix="agentrun-soak-"))
     # Slow turns and few slots per worker, so the chaos lands in the middle of runs.
@@ -59,8 +76,9 @@ async def _soak(
         concurrency=2,
         pg=pg,
         pg_restarts=pg_restarts,
+        sigstop_rate=sigstop_rate,
+        odd_payloads=odd_payloads,
         calm_s=60,
-        **kw,
     )
 
 
@@ -96,6 +114,16 @@ async def test_large_seeded_soak(own_postgres: OwnPostgres) -> None:
     print(report)
     assert report.pg_restarts == 5 and report.zombies >= 1
     assert report.ok, report.problems
+
+
+def _block(scripted: dict[str, Any], tool_id: str) -> dict[str, Any]:
+    """A scripted block as the SDK hands it to the worker (and the worker stores it)."""
+    if "thinking" in scripted:
+        return {"type": "thinking", "thinking": scripted["thinking"], "signature": "sig"}
+    if "text" in scripted:
+        return {"type": "text", "text": scripted["text"], "citations": None}
+    use = scripted["tool_use"]
+    return {"type": "tool_use", "id": tool_id, "name": use["name"], "input": use["input"]}
 
 
 def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
@@ -160,6 +188,35 @@ def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
         report = checked()
         assert report.odd_runs == 2 and report.odd_mismatched == 1
         assert any("0 conversation steps for 5" in p for p in report.problems)
+        # One whose log reads back exactly as produced passes; one with a result changed fails.
+        for n, changed in ((2, None), (3, "a line separator dropped")):
+            rid = run(odd_task("unicode", n), "succeeded")
+            turns = odd_turns("unicode")
+            said = model_text("unicode")
+            results = [ODD_PAYLOADS["unicode"], said]
+            if changed:
+                results[0] = results[0].replace("\u2028", "")
+            steps: list[tuple[str, dict[str, Any]]] = []
+            for i, turn in enumerate(turns):
+                blocks = [_block(b, f"toolu_{i}") for b in turn["content"]]
+                stop = "tool_use" if i < len(results) else "end_turn"
+                steps.append(("model_turn", {"content": blocks, "stop_reason": stop}))
+                if i < len(results):
+                    result = {"type": "tool_result", "tool_use_id": f"toolu_{i}"}
+                    steps.append(("tool_result", {"content": [{**result, "content": results[i]}]}))
+            for seq, (kind, payload) in enumerate(steps):
+                conn.execute(
+                    "INSERT INTO agent_step (run_id, seq, kind, payload, lease_epoch, worker) "
+                    "VALUES (%s, %s, %s, %s, 1, 'w')",
+                    (rid, seq, kind, Jsonb(payload)),
+                )
+            conn.execute(
+                "UPDATE agent_run SET result = %s WHERE id = %s",
+                (f"odd unicode done: {said}", rid),
+            )
+            report = checked()
+            assert report.odd_mismatched == (2 if changed else 1), report.problems
+        assert any("step 1 (tool_result) reads back changed" in p for p in report.problems)
     # The command's exit code says so too.
     res = subprocess.run(
         [sys.executable, str(SOAK), "--check-only", "--database-url", database_url],
