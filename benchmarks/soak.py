@@ -192,6 +192,7 @@ class Report:
     lost_steps: int = 0
     duplicate_turns: int = 0
     odd_mismatched: int = 0  # odd-payload runs whose log does not read back as produced
+    most_claims: int = 0  # the most claims of a run that succeeded (the default cap is 8)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -226,13 +227,14 @@ async def check(url: str, report: Report | None = None) -> Report:
             " count(*) FILTER (WHERE status = 'cancelled'),"
             " count(*) FILTER (WHERE task LIKE %(odd)s),"
             " count(*) FILTER (WHERE task LIKE %(odd)s AND status = 'succeeded'),"
-            " count(*) FILTER (WHERE task LIKE %(odd)s AND status = 'failed')"
+            " count(*) FILTER (WHERE task LIKE %(odd)s AND status = 'failed'),"
+            " coalesce(max(attempt) FILTER (WHERE status = 'succeeded'), 0)"
             " FROM agent_run",
             params,
         ).fetchone()
         assert row is not None
         (r.runs, r.succeeded, r.stuck, r.dead_lettered, r.failed, r.cancelled,
-         r.odd_runs, r.odd_succeeded, r.odd_failed) = row  # fmt: skip
+         r.odd_runs, r.odd_succeeded, r.odd_failed, r.most_claims) = row  # fmt: skip
         # A healthy run must succeed: one dead-lettered, failed or cancelled (the soak cancels
         # nothing) is the runtime giving up on it, and one not finished is stuck.
         for rid, status, attempt, error in conn.execute(
