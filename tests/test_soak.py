@@ -88,7 +88,8 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
     """The default maxAttempts, SIGKILLs, SIGTERMs, SIGSTOPped zombies, two PostgreSQL restarts
     and one odd-payload run of each kind: every healthy run succeeds (none dead-lettered), every
     odd one ends, exactly once per effect, and the odd ones read back as produced."""
-    # Seed 11's chaos steps: a zombie due at the 1st, 2nd, 9th and 10th (a share of 0.25).
+    # With seed 11 and a share of 0.25, the first chaos step makes a zombie due (4 of the first
+    # 10 draws do), which is made as soon as a worker holds runs.
     report = await _soak(
         own_postgres, runs=12, seconds=30, pg_restarts=2, sigstop_rate=0.25, odd_payloads=1 / 3
     )
