@@ -1,15 +1,27 @@
-"""Seeded chaos soak: many runs mixing every tool class, workers killed at random, PostgreSQL
-restarted now and then, then a checker.
+"""Seeded chaos soak: many runs mixing every tool class and odd payloads, workers killed and
+SIGSTOPped at random, PostgreSQL restarted now and then, then a strict checker.
 
     python benchmarks/soak.py --runs 40 --seconds 120 --seed 7 [--pg-restarts 2]
     python benchmarks/soak.py --runs 40 --seconds 36000 --continuous --pg-restarts 20  # a night
 
-Runs use the test tools in tests/tool_modules/ledger_tools.py, which write an effect ledger.
-Workers are SIGKILLed (and now and then SIGTERMed) at seeded random moments and replaced; a
-worker that exits by itself is replaced too, as Kubernetes would. Runs whose irreversible call has
-an unknown outcome are decided by a scripted on-call human who looks at the ledger (it happened:
-reject the retry; it did not: approve it). ``--continuous`` keeps ``--runs`` runs unfinished for
-as long as the killing goes on (without it the soak stops killing once every run has finished).
+Runs are created with the default maxAttempts (what ``agentrun run`` and an AgentRun get), so a
+healthy run the runtime gives up on is seen. They use the test tools in
+tests/tool_modules/ledger_tools.py, which write an effect ledger; ``--odd-payloads SHARE`` of them
+(default 0.1) instead call benchmarks/bench_tools.py's ``odd`` tools, whose results hold NUL
+bytes, lone surrogates, odd but valid unicode or about 250 KB, with a model that says NUL bytes
+and odd unicode back, on a task in odd unicode.
+
+Each chaos step (every 1-4 s, seeded) SIGSTOPs a worker that holds runs (``--sigstop-rate``,
+default 0.15 of the steps) or else SIGKILLs (80%) or SIGTERMs one. A killed worker is replaced at
+once, as Kubernetes would; so is a stopped one (Kubernetes might not notice: the soak does, so
+that the stopped worker's runs have somewhere to go). A stopped worker is a zombie: it stays
+stopped for 1.5-4 lease TTLs and until the runs it held are taken by others, then gets SIGCONT
+and either carries on or is SIGKILLed 0.2-3 s later (seeded), its threads having had that long
+to act on leases they no longer hold. A worker that exits by itself is replaced too. Runs whose
+irreversible call has an unknown outcome are decided by a scripted on-call human who looks at the
+ledger (it happened: reject the retry; it did not: approve it). ``--continuous`` keeps ``--runs``
+runs unfinished for as long as the chaos goes on (without it the soak stops once every run has
+finished).
 
 Unless ``--database-url`` is given, the soak runs its own PostgreSQL server (own_pg.py: initdb in a
 temporary directory, a free port), which ``--pg-restarts N`` stops (``pg_ctl -m fast``) and starts
@@ -18,9 +30,13 @@ its pid at the end, whatever happened. Workers must ride the outages out by them
 started during an outage exits 3 (database unreachable) and is replaced; any other exit that the
 soak did not cause is counted as a worker crash.
 
-Then the checker reads the database and reports runs finished, steps, kills, SIGTERMs, PostgreSQL
-restarts, duplicate effects, lost steps and stuck runs; it exits non-zero if any duplicate, lost
-step, stuck run or worker crash is found. ``--check-only --database-url URL`` runs only the checker.
+Then the checker reads the database. The soak fails on any of: a run dead-lettered, failed or
+cancelled (only an odd-payload run may fail, once, with an error: the runtime may refuse a
+payload it cannot store), a run not finished (stuck), a step log with a gap, a model turn
+committed twice, a non-idempotent effect more or less than once per call, an irreversible effect
+twice or never, an odd-payload run whose task, steps or result do not read back (through the
+store) exactly as the tools and the model produced them, a worker crash. It prints the figures
+and the first problems. ``--check-only --database-url URL`` runs only the checker.
 """
 
 from __future__ import annotations
@@ -28,9 +44,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -41,23 +59,25 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import yaml
 from psycopg_pool import PoolTimeout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tools import ODD_PAYLOADS
 from own_pg import OwnPostgres
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
-from agentrun.store import TERMINAL_STATUSES, Store
+from agentrun.store import TERMINAL_STATUSES, Run, Step, Store
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tests" / "tool_modules" / "ledger_tools.py"
+ODD_TOOLS = ROOT / "benchmarks" / "bench_tools.py"
 AGENT = AgentSpec(
     model="claude-sonnet-4-5",
     system="Soak.",
     tools=["look", "set_flag", "send_email", "drop_table", "reserve", "release"],
 )
+ODD_AGENT = AgentSpec(model="claude-sonnet-4-5", system="Soak.", tools=["odd", "odd_echo"])
 #: One conversation: every tool class, twice over, then an answer.
 CALLS = [
     ("look", {"what": "a"}),
@@ -69,11 +89,57 @@ CALLS = [
     ("send_email", {"to": "b@x"}),
     ("set_flag", {"value": "y"}),
 ]
+#: The effects a run that succeeded has in the ledger, each exactly that often (a different key
+#: for the same call would be a duplicate too: it is one more row).
 EFFECTS_PER_RUN = {"send_email": 2, "drop_table": 1, "reserve:r1": 1}
+#: The worker's lease TTL in the soak: short, so that takeovers are frequent.
+LEASE_TTL_S = 2.0
+#: How much longer than its seeded stop a zombie is kept stopped, at most, waiting for its runs to
+#: be taken by the others.
+ZOMBIE_WAIT_S = 20.0
 #: What a database outage looks like to the soak's own client.
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 #: Worker logs kept (the oldest are removed: a night's soak starts thousands of workers).
 KEEP_LOGS = 200
+
+#: The odd-payload runs: one kind per run, in turn. The task starts with ODD_PREFIX + the kind.
+ODD_KINDS = ("nul", "surrogates", "unicode", "huge")
+ODD_PREFIX = "soak odd "
+ODD_TASK_RE = re.compile(r"^soak odd (\w+) run (\d+): ")
+#: Valid but unusual unicode in every odd run's task (a task with a NUL byte is bad input, refused
+#: at create: not the soak's business; lone surrogates cannot be sent to the model at all).
+ODD_TASK = (
+    "\u0645\u0631\u062d\u0628\u0627 \u202eevil\u202c \U0001f469\u200d\U0001f469\u200d\U0001f467 "
+    "e\u0301 \U0001d518\U0010ffff \ufeff\uffff \u2028 a literal \\u0000 and \\ud800, 'quotes' \""
+)
+
+
+def model_text(kind: str) -> str:
+    """What the scripted model says in an odd run (thinking, text and a tool input). NUL bytes and
+    odd unicode it can say; lone surrogates it cannot: the SDK refuses to send them back (it
+    encodes requests as UTF-8), and so does any real provider's API."""
+    if kind in ("nul", "unicode"):
+        return ODD_PAYLOADS[kind]
+    if kind == "huge":
+        return ODD_PAYLOADS["huge"][:20_000]
+    return "plain words: a model never says a lone surrogate"
+
+
+def odd_task(kind: str, n: int) -> str:
+    return f"{ODD_PREFIX}{kind} run {n}: {ODD_TASK}"
+
+
+def odd_turns(kind: str) -> list[dict[str, Any]]:
+    """The odd run's conversation: the odd tool's payload, then the model's odd text echoed
+    through a tool, then an answer that ends with that text."""
+    said = model_text(kind)
+    return [
+        {"content": [{"thinking": f"odd {kind}"},
+                     {"tool_use": {"name": "odd", "input": {"kind": kind}}}]},
+        {"content": [{"thinking": said}, {"text": said},
+                     {"tool_use": {"name": "odd_echo", "input": {"text": said}}}]},
+        {"content": [{"text": f"odd {kind} done: {said}"}]},
+    ]  # fmt: skip
 
 
 def scenario(delay_ms: int) -> dict[str, Any]:
@@ -82,7 +148,15 @@ def scenario(delay_ms: int) -> dict[str, Any]:
         for i, (n, a) in enumerate(CALLS)
     ]
     turns.append({"content": [{"text": "soak run done"}]})
-    return {"name": "soak", "delay_ms": delay_ms, "scripts": [{"name": "soak", "turns": turns}]}
+    odd = [
+        {"name": f"odd-{kind}", "match": f"{ODD_PREFIX}{kind} run ", "turns": odd_turns(kind)}
+        for kind in ODD_KINDS
+    ]
+    return {
+        "name": "soak",
+        "delay_ms": delay_ms,
+        "scripts": [*odd, {"name": "soak", "turns": turns}],  # the default script last
+    }
 
 
 def ledger_schema() -> str:
@@ -97,46 +171,88 @@ class Report:
     steps: int = 0
     kills: int = 0
     terms: int = 0
+    zombies: int = 0  # workers SIGSTOPped past their lease TTL, then SIGCONTed
+    zombie_runs_taken: int = 0  # runs a zombie held that others took while it was stopped
+    zombies_killed: int = 0  # zombies SIGKILLed after their SIGCONT (the others carried on)
     pg_restarts: int = 0
     outage_s: float = 0.0
     decisions: int = 0
     workers_started: int = 0
     refused_during_outage: int = 0  # exit 3: started while the database was down
+    odd_runs: int = 0
+    odd_succeeded: int = 0
+    odd_failed: int = 0  # allowed: the runtime refused a payload once, with an error
     worker_crashes: int = 0  # any other exit the soak did not cause
+    dead_lettered: int = 0
+    failed: int = 0  # runs other than odd-payload ones that failed
+    cancelled: int = 0
+    stuck: int = 0
     duplicate_effects: int = 0
+    lost_effects: int = 0
     lost_steps: int = 0
     duplicate_turns: int = 0
-    stuck: int = 0
+    odd_mismatched: int = 0  # odd-payload runs whose log does not read back as produced
+    most_claims: int = 0  # the most claims of a run that succeeded (the default cap is 8)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not (
-            self.duplicate_effects
+            self.dead_lettered
+            or self.failed
+            or self.cancelled
+            or self.stuck
+            or self.duplicate_effects
+            or self.lost_effects
             or self.lost_steps
             or self.duplicate_turns
-            or self.stuck
+            or self.odd_mismatched
             or self.worker_crashes
         )
 
 
-def check(url: str, report: Report | None = None) -> Report:
+async def check(url: str, report: Report | None = None) -> Report:
     """Read the database and count what must never happen (set-based: a night's soak leaves tens
-    of thousands of runs)."""
+    of thousands of runs), then read every odd-payload run back through the store."""
     r = report or Report()
+    params: dict[str, Any] = {"terminal": list(TERMINAL_STATUSES), "odd": ODD_PREFIX + "%"}
     with psycopg.connect(url) as conn:
         conn.execute(ledger_schema())  # no ledger yet: no effects (IF NOT EXISTS, rolled back)
         row = conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'),"
-            " count(*) FILTER (WHERE status NOT IN ('succeeded', 'failed', 'cancelled'))"
-            " FROM agent_run"
+            " count(*) FILTER (WHERE status <> ALL(%(terminal)s)),"
+            " count(*) FILTER (WHERE status = 'dead_letter'),"
+            " count(*) FILTER (WHERE status = 'failed' AND task NOT LIKE %(odd)s),"
+            " count(*) FILTER (WHERE status = 'cancelled'),"
+            " count(*) FILTER (WHERE task LIKE %(odd)s),"
+            " count(*) FILTER (WHERE task LIKE %(odd)s AND status = 'succeeded'),"
+            " count(*) FILTER (WHERE task LIKE %(odd)s AND status = 'failed'),"
+            " coalesce(max(attempt) FILTER (WHERE status = 'succeeded'), 0)"
+            " FROM agent_run",
+            params,
         ).fetchone()
-        r.runs, r.succeeded, r.stuck = row if row else (0, 0, 0)
-        for rid, status in conn.execute(
-            "SELECT id, status FROM agent_run"
-            " WHERE status NOT IN ('succeeded', 'failed', 'cancelled') LIMIT 20"
+        assert row is not None
+        (r.runs, r.succeeded, r.stuck, r.dead_lettered, r.failed, r.cancelled,
+         r.odd_runs, r.odd_succeeded, r.odd_failed, r.most_claims) = row  # fmt: skip
+        # A healthy run must succeed: one dead-lettered, failed or cancelled (the soak cancels
+        # nothing) is the runtime giving up on it, and one not finished is stuck.
+        for rid, status, attempt, error in conn.execute(
+            "SELECT id, status, attempt, error FROM agent_run"
+            " WHERE status <> ALL(%(terminal)s) OR status IN ('dead_letter', 'cancelled')"
+            " OR (status = 'failed' AND task NOT LIKE %(odd)s) ORDER BY created_at LIMIT 50",
+            params,
         ):
-            r.problems.append(f"run {rid}: stuck in {status}")
+            stuck = "stuck in " if status not in TERMINAL_STATUSES else ""
+            r.problems.append(
+                f"run {rid}: {stuck}{status} after {attempt} claims: {(error or '')[:300]!r}"
+            )
+        for rid, error in conn.execute(
+            "SELECT id, error FROM agent_run WHERE task LIKE %(odd)s AND status = 'failed'"
+            " ORDER BY created_at LIMIT 20",
+            params,
+        ):
+            r.notes.append(f"odd-payload run {rid} failed: {(error or '')[:300]!r}")
         row = conn.execute("SELECT count(*) FROM agent_step").fetchone()
         r.steps = row[0] if row else 0
         # Contiguous from 0: n steps, lowest 0, highest n - 1 (the primary key forbids repeats).
@@ -153,14 +269,94 @@ def check(url: str, report: Report | None = None) -> Report:
         ):
             r.duplicate_turns += 1
             r.problems.append(f"run {rid}: a model turn was committed twice")
-        for tool, run_id, n in conn.execute(
-            "SELECT tool, run_id, count(*) FROM ledger_effects GROUP BY tool, run_id"
+        # Each effect of a run exactly as often as its conversation calls for: more is a
+        # duplicate (a non-idempotent call under a second key, an irreversible call run twice),
+        # fewer is an effect lost (only for a run that succeeded: the others stopped midway).
+        for tool, rid, status, want, n in conn.execute(
+            "SELECT t.tool, r.id, r.status, t.want, count(e.id)"
+            "  FROM agent_run r"
+            " CROSS JOIN unnest(%(tools)s::text[], %(wants)s::int[]) AS t(tool, want)"
+            "  LEFT JOIN ledger_effects e ON e.run_id = r.id::text AND e.tool = t.tool"
+            " WHERE r.task NOT LIKE %(odd)s"
+            " GROUP BY t.tool, t.want, r.id, r.status"
+            " HAVING count(e.id) > t.want OR (count(e.id) < t.want AND r.status = 'succeeded')",
+            {**params, "tools": list(EFFECTS_PER_RUN), "wants": list(EFFECTS_PER_RUN.values())},
         ):
-            expected = EFFECTS_PER_RUN.get(tool, 1)
-            if n > expected:
-                r.duplicate_effects += n - expected
-                r.problems.append(f"run {run_id}: {tool} happened {n} times (expected {expected})")
+            if n > want:
+                r.duplicate_effects += n - want
+            else:
+                r.lost_effects += want - n
+            r.problems.append(f"run {rid} ({status}): {tool} happened {n} times (expected {want})")
+        for tool, rid, n in conn.execute(  # any other effect (a compensation): at most once
+            "SELECT tool, run_id, count(*) FROM ledger_effects WHERE tool <> ALL(%(tools)s)"
+            " GROUP BY tool, run_id HAVING count(*) > 1",
+            {"tools": list(EFFECTS_PER_RUN)},
+        ):
+            r.duplicate_effects += n - 1
+            r.problems.append(f"run {rid}: {tool} happened {n} times (expected at most 1)")
+        odd_ids = [
+            rid
+            for (rid,) in conn.execute(
+                "SELECT id FROM agent_run WHERE task LIKE %(odd)s AND status = 'succeeded'"
+                " ORDER BY created_at",
+                params,
+            )
+        ]
+    if odd_ids:
+        # Through the store, as a worker reads them back: however it stores an odd payload, it
+        # must hand back exactly what the tool and the model produced.
+        async with await Store.open(url, max_size=1) as store:
+            for rid in odd_ids:
+                wrong = odd_mismatches(await store.get_run(rid), await store.steps(rid))
+                if wrong:
+                    r.odd_mismatched += 1
+                    r.problems.append(f"odd-payload run {rid}: {wrong}")
     return r
+
+
+def _said(block: dict[str, Any]) -> tuple[str, Any]:
+    """What a content block says, by its type (ids, signatures and citations left out)."""
+    kind = str(block.get("type"))
+    value = {"thinking": "thinking", "text": "text", "tool_use": "input"}.get(kind, "content")
+    return kind, block.get(value)
+
+
+def odd_mismatches(run: Run, steps: list[Step]) -> str | None:
+    """Where an odd-payload run that succeeded does not read back as produced (None: nowhere)."""
+    m = ODD_TASK_RE.match(run.task)
+    if m is None or m.group(1) not in ODD_KINDS or run.task != odd_task(m.group(1), int(m[2])):
+        return f"the task reads back changed: {run.task[:200]!r}"
+    kind, said = m.group(1), model_text(m.group(1))
+    produced: list[tuple[str, list[tuple[str, Any]]]] = []
+    for turn, result in zip(odd_turns(kind), (ODD_PAYLOADS[kind], said, None), strict=True):
+        blocks = [
+            ("thinking", b["thinking"]) if "thinking" in b
+            else ("text", b["text"]) if "text" in b
+            else ("tool_use", b["tool_use"]["input"])
+            for b in turn["content"]
+        ]  # fmt: skip
+        produced.append(("model_turn", blocks))
+        if result is not None:
+            produced.append(("tool_result", [("tool_result", result)]))
+    read = [
+        (s.kind, [_said(b) for b in s.payload.get("content", [])])
+        for s in steps
+        if s.kind in ("model_turn", "tool_result")
+    ]
+    for i, (want, got) in enumerate(zip(produced, read, strict=False)):  # lengths: below
+        if want != got:
+            return f"step {i} ({want[0]}) reads back changed: {_short(got)} for {_short(want)}"
+    if len(read) != len(produced):
+        return f"{len(read)} conversation steps for {len(produced)}"
+    final = f"odd {kind} done: {said}"
+    if run.result != final:
+        return f"the result reads back changed: {_short(run.result)} for {_short(final)}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 160 else f"{text[:160]}... ({len(text)} characters)"
 
 
 async def decide_waiting(store: Store, url: str) -> int:
@@ -194,6 +390,16 @@ async def unfinished(store: Store) -> int:
     return int(row[0]) if row else 0
 
 
+async def held_by(store: Store, worker: str) -> set[str]:
+    """The runs ``worker`` holds the lease of (as the database says: expired or not)."""
+    async with store.pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT id::text FROM agent_run WHERE status = 'running' AND lease_owner = %s",
+            (worker,),
+        )
+        return {row[0] for row in await cur.fetchall()}
+
+
 class _Fleet:
     """The soak's worker processes: started, signalled and reaped by pid."""
 
@@ -203,7 +409,8 @@ class _Fleet:
         self.concurrency = concurrency
         self.report = report
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.signalled: set[int] = set()  # pids the soak itself signalled
+        self.signalled: set[int] = set()  # pids the soak SIGKILLed or SIGTERMed
+        self.stopped: set[int] = set()  # pids SIGSTOPped now
         self.accounted: set[int] = set()  # pids whose exit has been counted
         self.names: dict[int, str] = {}
 
@@ -214,8 +421,9 @@ class _Fleet:
                 [
                     sys.executable, "-m", "agentrun", "worker",
                     "--tools", str(TOOLS),
+                    "--tools", str(ODD_TOOLS),
                     "--worker-id", f"soak-{n}",
-                    "--lease-ttl", "2",
+                    "--lease-ttl", str(LEASE_TTL_S),
                     "--poll-interval", "0.5",
                     "--health-port", "-1",
                     "--concurrency", str(self.concurrency),
@@ -232,14 +440,28 @@ class _Fleet:
             (self.logdir / f"worker-{old}.log").unlink(missing_ok=True)
 
     def live(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in self.procs if p.poll() is None]
+        """Running, not stopped and not on its way out: what serves runs now."""
+        return [
+            p
+            for p in self.procs
+            if p.poll() is None and p.pid not in self.signalled and p.pid not in self.stopped
+        ]
 
     def hit(self, victim: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         self.signalled.add(victim.pid)
         victim.send_signal(sig)
 
+    def stop(self, victim: subprocess.Popen[bytes]) -> None:
+        self.stopped.add(victim.pid)
+        victim.send_signal(signal.SIGSTOP)
+
+    def cont(self, victim: subprocess.Popen[bytes]) -> None:
+        if victim.poll() is None:
+            victim.send_signal(signal.SIGCONT)
+        self.stopped.discard(victim.pid)
+
     def top_up(self, want: int) -> None:
-        """Count the exits the soak did not cause, and start workers until ``want`` are alive."""
+        """Count the exits the soak did not cause, and start workers until ``want`` serve."""
         for p in self.procs:
             if p.returncode is None or p.pid in self.accounted or p.pid in self.signalled:
                 continue
@@ -258,7 +480,7 @@ class _Fleet:
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.kill()
+                p.kill()  # a stopped process dies of SIGKILL too
             p.wait()
 
 
@@ -274,33 +496,47 @@ async def soak(
     workers: int = 2,
     pg: OwnPostgres | None = None,
     pg_restarts: int = 0,
+    sigstop_rate: float = 0.15,
+    odd_payloads: float = 0.1,
     continuous: bool = False,
     calm_s: float = 90,
     progress: Any = None,
 ) -> Report:
-    """Kill workers for ``seconds`` (restarting ``pg`` ``pg_restarts`` times), let every run
-    finish, then check. ``url`` must be a migrated database with no runs; with ``pg_restarts``,
-    it must be on ``pg``."""
+    """Kill and SIGSTOP workers for ``seconds`` (restarting ``pg`` ``pg_restarts`` times), let
+    every run finish, then check. ``url`` must be a migrated database with no runs; with
+    ``pg_restarts``, it must be on ``pg``. ``sigstop_rate``: the share of chaos steps that make a
+    zombie; ``odd_payloads``: the share of runs with odd payloads."""
     if pg_restarts and pg is None:
         raise ValueError("restarting PostgreSQL needs the soak's own server (pg)")
     rng = random.Random(seed)
+    # The kind of each chaos step comes from a stream of its own, so the first steps' kinds are
+    # the seed's whatever the timing (a short soak with a given seed is sure to make a zombie).
+    kinds = random.Random(f"{seed}:kinds")
     report = Report()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(ledger_schema())
-    path = logdir / "soak.yaml"
-    path.write_text(yaml.safe_dump(scenario(delay_ms=delay_ms)))
-    # Seeded moments for the restarts, in the first 60% of the killing, so that runs are still
-    # going on around them and the killing goes on after them.
+    path = logdir / "soak.json"  # JSON: the scenario holds NUL bytes
+    path.write_text(json.dumps(scenario(delay_ms=delay_ms)))
+    # Seeded moments for the restarts, in the first 60% of the chaos, so that runs are still
+    # going on around them and the chaos goes on after them.
     restart_at = sorted(rng.uniform(0.1, 0.6) * seconds for _ in range(pg_restarts))
     outage: asyncio.Task[None] | None = None
+    zombies: list[asyncio.Task[None]] = []
     store = await Store.open(url, max_size=4)
     submitted = 0
+    odd_submitted = 0
     say = progress or (lambda _msg: None)
 
     async def submit(n: int) -> None:
-        nonlocal submitted
+        nonlocal submitted, odd_submitted
         for _ in range(n):
-            await store.create_run(f"soak run {submitted}", AGENT, max_attempts=50)
+            # Spread evenly: run k is odd when the share's running total passes an integer.
+            if int((submitted + 1) * odd_payloads) > int(submitted * odd_payloads):
+                kind = ODD_KINDS[odd_submitted % len(ODD_KINDS)]
+                await store.create_run(odd_task(kind, submitted), ODD_AGENT)
+                odd_submitted += 1
+            else:
+                await store.create_run(f"soak run {submitted}", AGENT)
             submitted += 1
 
     async def restart(down_s: float) -> None:
@@ -312,6 +548,66 @@ async def soak(
         report.pg_restarts += 1
         report.outage_s += time.monotonic() - t0
         say(f"PostgreSQL restarted ({report.pg_restarts}/{pg_restarts}), down {down_s:.1f} s")
+
+    async def zombie(
+        victim: subprocess.Popen[bytes], held: set[str], stop_s: float, kill_after: float | None
+    ) -> None:
+        """Keep a stopped worker stopped past its lease and until the others have taken its
+        runs, thaw it, and maybe kill it a moment later (its threads have had that moment)."""
+        name = fleet.names[victim.pid]
+        t0 = time.monotonic()
+        await asyncio.sleep(stop_s)
+        still = held
+        while time.monotonic() < t0 + stop_s + ZOMBIE_WAIT_S:
+            with contextlib.suppress(*DB_ERRORS):
+                still = held & await held_by(store, name)
+                if not still:
+                    break
+            await asyncio.sleep(0.5)
+        report.zombie_runs_taken += len(held - still)
+        fleet.cont(victim)
+        fate = "carries on" if kill_after is None else f"SIGKILL in {kill_after:.1f} s"
+        say(f"zombie {name}: stopped {time.monotonic() - t0:.1f} s, {len(held - still)} of its "
+            f"{len(held)} runs taken; {fate}")  # fmt: skip
+        if kill_after is not None:
+            await asyncio.sleep(kill_after)
+            if victim.poll() is None:
+                fleet.hit(victim, signal.SIGKILL)
+                report.zombies_killed += 1
+
+    zombie_due = False
+
+    async def chaos_step() -> None:
+        nonlocal zombie_due
+        live = fleet.live()
+        if not live:
+            return
+        zombie_due = zombie_due or kinds.random() < sigstop_rate
+        if zombie_due:
+            # Only a worker that holds runs makes a zombie worth the name: if none does now,
+            # the stop waits for the next step.
+            held: dict[int, set[str]] = {}
+            with contextlib.suppress(*DB_ERRORS):
+                for p in live:
+                    held[p.pid] = await held_by(store, fleet.names[p.pid])
+            busy = [p for p in live if held.get(p.pid)]
+            if not busy:
+                return
+            victim = rng.choice(busy)
+            stop_s = rng.uniform(1.5, 4.0) * LEASE_TTL_S
+            kill_after = rng.uniform(0.2, 3.0) if rng.random() < 0.5 else None
+            fleet.stop(victim)
+            report.zombies += 1
+            zombie_due = False
+            zombies.append(
+                asyncio.create_task(zombie(victim, held[victim.pid], stop_s, kill_after))
+            )
+        elif rng.random() < 0.8:
+            fleet.hit(rng.choice(live), signal.SIGKILL)
+            report.kills += 1
+        else:
+            fleet.hit(rng.choice(live), signal.SIGTERM)
+            report.terms += 1
 
     def db_up() -> bool:
         return outage is None or outage.done()
@@ -335,16 +631,7 @@ async def soak(
                 if restart_at and time.monotonic() - t_start >= restart_at[0] and db_up():
                     restart_at.pop(0)
                     outage = asyncio.create_task(restart(rng.uniform(0.5, 3.0)))
-                live = fleet.live()
-                if live:
-                    victim = rng.choice(live)
-                    if rng.random() < 0.8:
-                        fleet.hit(victim, signal.SIGKILL)
-                        report.kills += 1
-                    else:
-                        fleet.hit(victim, signal.SIGTERM)
-                        report.terms += 1
-                    fleet.spawn()
+                await chaos_step()
                 fleet.top_up(workers)
                 if not db_up():
                     continue  # the soak's own reads wait for the database like everyone's
@@ -360,20 +647,22 @@ async def soak(
                     last_note = time.monotonic()
                     say(
                         f"soak: {time.monotonic() - t_start:.0f} s, {report.kills} kills, "
-                        f"{report.terms} SIGTERMs, {report.pg_restarts} PostgreSQL restarts, "
+                        f"{report.terms} SIGTERMs, {report.zombies} zombies, "
+                        f"{report.pg_restarts} PostgreSQL restarts, "
                         f"{submitted} runs submitted, {left} unfinished"
                     )
                 if not left and not restart_at and not continuous:
                     break
             if outage is not None:
                 await outage
-            # Calm: no more kills; let every run finish, answering approvals as they come.
+            # Calm: no more chaos (the zombies thaw as planned); let every run finish,
+            # answering approvals as they come.
             calm = time.monotonic() + calm_s
             while time.monotonic() < calm:
                 fleet.top_up(workers)
                 try:
                     report.decisions += await decide_waiting(store, url)
-                    if not await unfinished(store):
+                    if not await unfinished(store) and all(z.done() for z in zombies):
                         break
                 except DB_ERRORS:
                     pass
@@ -383,21 +672,45 @@ async def soak(
             if outage is not None and not outage.done():
                 with contextlib.suppress(Exception):
                     await outage
+            for z in zombies:
+                z.cancel()
+            await asyncio.gather(*zombies, return_exceptions=True)
             fleet.stop_all()
             await store.close()
-    return check(url, report)
+    return await check(url, report)
+
+
+def _share(value: str) -> float:
+    share = float(value)
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: a share from 0 to 1")
+    return share
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--runs", type=int, default=40, help="runs (in flight, with --continuous)")
-    ap.add_argument("--seconds", type=float, default=120, help="how long to keep killing")
+    ap.add_argument("--seconds", type=float, default=120, help="how long the chaos goes on")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument(
         "--pg-restarts",
         type=int,
         default=2,
-        help="PostgreSQL restarts during the killing (default 2; 0 for none)",
+        help="PostgreSQL restarts during the chaos (default 2; 0 for none)",
+    )
+    ap.add_argument(
+        "--sigstop-rate",
+        type=_share,
+        default=0.15,
+        help="share of chaos steps that SIGSTOP a worker past its lease, making a zombie, "
+        "instead of killing one (default 0.15; 0 for none)",
+    )
+    ap.add_argument(
+        "--odd-payloads",
+        type=_share,
+        default=0.1,
+        help="share of runs whose tools and model produce NUL bytes, lone surrogates, odd "
+        "unicode or about 250 KB (default 0.1; 0 for none)",
     )
     ap.add_argument(
         "--continuous",
@@ -411,7 +724,7 @@ def main() -> int:
         "--calm",
         type=float,
         default=600,
-        help="after the killing, the longest wait for every run to finish (default 600 s)",
+        help="after the chaos, the longest wait for every run to finish (default 600 s)",
     )
     ap.add_argument(
         "--database-url",
@@ -423,8 +736,7 @@ def main() -> int:
     if args.check_only:
         if not args.database_url:
             ap.error("--check-only needs --database-url")
-        report = check(args.database_url)
-        return _print(report)
+        return _print(asyncio.run(check(args.database_url)))
     if args.database_url and args.pg_restarts:
         ap.error("--pg-restarts needs the soak's own PostgreSQL: drop --database-url, or pass 0")
     t0 = time.monotonic()
@@ -465,6 +777,8 @@ def main() -> int:
                 workers=args.workers,
                 pg=pg,
                 pg_restarts=args.pg_restarts,
+                sigstop_rate=args.sigstop_rate,
+                odd_payloads=args.odd_payloads,
                 continuous=args.continuous,
                 calm_s=args.calm,
                 progress=say,
@@ -476,8 +790,10 @@ def main() -> int:
 
 def _print(report: Report) -> int:
     for key, value in asdict(report).items():
-        if key != "problems":
+        if key not in ("problems", "notes"):
             print(f"{key:22} {round(value, 1) if isinstance(value, float) else value}")
+    for note in report.notes[:20]:
+        print(f"NOTE: {note}")
     for problem in report.problems[:50]:
         print(f"PROBLEM: {problem}")
     print("soak: OK" if report.ok else "soak: FAILED")

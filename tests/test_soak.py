@@ -1,8 +1,10 @@
 """The seeded chaos soak (small in the default run, large behind the slow marker), and proof that
-its checker fails when a duplicate or a lost step is planted.
+its checker fails when a duplicate, a lost step, a dead-lettered healthy run or an odd payload
+that reads back changed is planted.
 
 The soaks restart PostgreSQL, so they run on a server of their own (benchmarks/own_pg.py), never
 the machine's shared one; the server is stopped by its pid when the test ends, however it ends.
+The soak stops its workers by pid (SIGKILL ends a SIGSTOPped one too).
 """
 
 from __future__ import annotations
@@ -13,15 +15,29 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_tools import ODD_PAYLOADS
 from own_pg import OwnPostgres
-from soak import Report, check, ledger_schema, soak
+from soak import (
+    EFFECTS_PER_RUN,
+    Report,
+    check,
+    ledger_schema,
+    model_text,
+    odd_task,
+    odd_turns,
+    soak,
+)
 
 from agentrun.migrations import migrate
+
+SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
 @pytest.fixture
@@ -40,9 +56,16 @@ def own_postgres() -> Iterator[OwnPostgres]:
         yield pg
 
 
-async def _soak(pg: OwnPostgres, runs: int, seconds: float, pg_restarts: int) -> Report:
+async def _soak(
+    pg: OwnPostgres,
+    runs: int,
+    seconds: float,
+    pg_restarts: int,
+    sigstop_rate: float = 0.15,
+    odd_payloads: float = 0.1,
+) -> Report:
     logdir = Path(tempfile.mkdtemp(prefix="agentrun-soak-"))
-    # Slow turns and few slots per worker, so the kills and the outages land in the middle of runs.
+    # Slow turns and few slots per worker, so the chaos lands in the middle of runs.
     return await soak(
         pg.url("agentrun_soak"),
         runs,
@@ -53,20 +76,36 @@ async def _soak(pg: OwnPostgres, runs: int, seconds: float, pg_restarts: int) ->
         concurrency=2,
         pg=pg,
         pg_restarts=pg_restarts,
+        sigstop_rate=sigstop_rate,
+        odd_payloads=odd_payloads,
+        calm_s=60,
     )
 
 
-async def test_small_seeded_soak_with_postgres_restarts_loses_nothing_and_repeats_nothing(
+async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts(
     own_postgres: OwnPostgres,
 ) -> None:
-    report = await _soak(own_postgres, runs=8, seconds=20, pg_restarts=2)
+    """The default maxAttempts, SIGKILLs, SIGTERMs, SIGSTOPped zombies, two PostgreSQL restarts
+    and one odd-payload run of each kind: every healthy run succeeds (none dead-lettered), every
+    odd one ends, exactly once per effect, and the odd ones read back as produced."""
+    # With seed 11 and a share of 0.25, the first chaos step makes a zombie due (4 of the first
+    # 10 draws do), which is made as soon as a worker holds runs.
+    report = await _soak(
+        own_postgres, runs=12, seconds=30, pg_restarts=2, sigstop_rate=0.25, odd_payloads=1 / 3
+    )
     print(report)
-    assert report.kills + report.terms >= 3
+    assert report.zombies >= 1 and report.kills + report.terms >= 3
+    assert report.zombie_runs_taken >= 1  # a zombie is stopped until others took its runs
     assert report.pg_restarts == own_postgres.restarts == 2
-    assert report.runs == report.succeeded == 8  # every run finished through the outages
-    assert report.worker_crashes == 0  # the workers rode the outages out
+    assert report.odd_runs == 4  # one of each kind: nul, surrogates, unicode, huge
+    assert report.dead_lettered == 0, report.problems  # a healthy run is never given up on
+    assert report.failed == report.cancelled == report.stuck == 0, report.problems
+    assert report.succeeded + report.odd_failed == report.runs == 12
+    assert report.worker_crashes == 0, report.problems  # the workers rode everything out
     assert report.ok, report.problems
-    assert report.steps == 8 * 17
+    # Every healthy run's 17 steps; 5 for an odd one that succeeded, fewer for one that failed.
+    healthy = 8 * 17 + 5 * report.odd_succeeded
+    assert healthy <= report.steps <= healthy + 4 * report.odd_failed
 
 
 @pytest.mark.slow
@@ -74,43 +113,116 @@ async def test_small_seeded_soak_with_postgres_restarts_loses_nothing_and_repeat
 async def test_large_seeded_soak(own_postgres: OwnPostgres) -> None:
     report = await _soak(own_postgres, runs=200, seconds=600, pg_restarts=5)
     print(report)
-    assert report.pg_restarts == 5
+    assert report.pg_restarts == 5 and report.zombies >= 1
     assert report.ok, report.problems
 
 
-def test_the_checker_fails_when_a_duplicate_or_a_lost_step_is_planted(database_url: str) -> None:
+def _block(scripted: dict[str, Any], tool_id: str) -> dict[str, Any]:
+    """A scripted block as the SDK hands it to the worker (and the worker stores it)."""
+    if "thinking" in scripted:
+        return {"type": "thinking", "thinking": scripted["thinking"], "signature": "sig"}
+    if "text" in scripted:
+        return {"type": "text", "text": scripted["text"], "citations": None}
+    use = scripted["tool_use"]
+    return {"type": "tool_use", "id": tool_id, "name": use["name"], "input": use["input"]}
+
+
+def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
+    def checked() -> Report:
+        return asyncio.run(check(database_url))
+
+    def run(task: str, status: str, effects: dict[str, int] | None = None) -> str:
+        rid = str(
+            conn.execute(
+                "INSERT INTO agent_run (task, model, agent_spec, status) "
+                "VALUES (%s, 'm', '{}', %s) RETURNING id",
+                (task, status),
+            ).fetchone()[0]  # type: ignore[index]
+        )
+        for tool, n in (effects or {}).items():
+            for i in range(n):
+                conn.execute(
+                    "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s)",
+                    (tool, rid, f"{rid}-{tool}-{i}"),
+                )
+        return rid
+
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(ledger_schema())
-        rid = conn.execute(
-            "INSERT INTO agent_run (task, model, agent_spec, status) "
-            "VALUES ('t', 'm', '{}', 'succeeded') RETURNING id"
-        ).fetchone()[0]  # type: ignore[index]
-        for seq in (0, 1, 3):  # seq 2 is missing: a lost step
+        assert checked().ok  # nothing yet: nothing wrong
+        run("healthy", "succeeded", EFFECTS_PER_RUN)
+        assert checked().ok
+        rid = run("a lost step", "succeeded", EFFECTS_PER_RUN)
+        for seq in (0, 1, 3):  # seq 2 is missing
             conn.execute(
                 "INSERT INTO agent_step (run_id, seq, kind, payload, lease_epoch, worker) "
                 "VALUES (%s, %s, 'model_turn', %s, 1, 'w')",
                 (rid, seq, f'{{"n": {seq}}}'),
             )
-        assert check(database_url).ok is False
-        report = check(database_url)
-        assert report.lost_steps == 1 and report.duplicate_effects == 0
-        for _ in range(2):  # an irreversible effect that happened twice
+        report = checked()
+        assert report.lost_steps == 1 and report.duplicate_effects == 0 and not report.ok
+        # An irreversible effect that happened twice; a non-idempotent one under a second key.
+        rid = run("duplicates", "succeeded", EFFECTS_PER_RUN)
+        conn.execute("INSERT INTO ledger_effects (tool, run_id) VALUES ('drop_table', %s)", (rid,))
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES ('send_email', %s, 'k3')",
+            (rid,),
+        )
+        assert checked().duplicate_effects == 2
+        # An email that never went out, though its run succeeded.
+        run("an effect lost", "succeeded", {**EFFECTS_PER_RUN, "send_email": 1})
+        report = checked()
+        assert report.lost_effects == 1 and report.duplicate_effects == 2
+        # A healthy run dead-lettered (as after 8 SIGKILLs it survived), one failed, one stuck.
+        run("given up on", "dead_letter")
+        run("failed", "failed")
+        run("stuck", "running")
+        report = checked()
+        assert report.dead_lettered == report.failed == report.stuck == 1 and not report.ok
+        assert any("dead_letter after" in p for p in report.problems)
+        # An odd-payload run may fail (once, with an error); one that succeeded must read back
+        # as produced: this one has no steps at all.
+        run(odd_task("nul", 0), "failed")
+        report = checked()
+        assert report.odd_failed == 1 and report.failed == 1
+        run(odd_task("unicode", 1), "succeeded")
+        report = checked()
+        assert report.odd_runs == 2 and report.odd_mismatched == 1
+        assert any("0 conversation steps for 5" in p for p in report.problems)
+        # One whose log reads back exactly as produced passes; one with a result changed fails.
+        for n, changed in ((2, None), (3, "a line separator dropped")):
+            rid = run(odd_task("unicode", n), "succeeded")
+            turns = odd_turns("unicode")
+            said = model_text("unicode")
+            results = [ODD_PAYLOADS["unicode"], said]
+            if changed:
+                results[0] = results[0].replace("\u2028", "")
+            steps: list[tuple[str, dict[str, Any]]] = []
+            for i, turn in enumerate(turns):
+                blocks = [_block(b, f"toolu_{i}") for b in turn["content"]]
+                stop = "tool_use" if i < len(results) else "end_turn"
+                steps.append(("model_turn", {"content": blocks, "stop_reason": stop}))
+                if i < len(results):
+                    result = {"type": "tool_result", "tool_use_id": f"toolu_{i}"}
+                    steps.append(("tool_result", {"content": [{**result, "content": results[i]}]}))
+            for seq, (kind, payload) in enumerate(steps):
+                conn.execute(
+                    "INSERT INTO agent_step (run_id, seq, kind, payload, lease_epoch, worker) "
+                    "VALUES (%s, %s, %s, %s, 1, 'w')",
+                    (rid, seq, kind, Jsonb(payload)),
+                )
             conn.execute(
-                "INSERT INTO ledger_effects (tool, run_id) VALUES ('drop_table', %s)", (str(rid),)
+                "UPDATE agent_run SET result = %s WHERE id = %s",
+                (f"odd unicode done: {said}", rid),
             )
-        report = check(database_url)
-        assert report.duplicate_effects == 1 and not report.ok
+            report = checked()
+            assert report.odd_mismatched == (2 if changed else 1), report.problems
+        assert any("step 1 (tool_result) reads back changed" in p for p in report.problems)
     # The command's exit code says so too.
     res = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"),
-            "--check-only",
-            "--database-url",
-            database_url,
-        ],
+        [sys.executable, str(SOAK), "--check-only", "--database-url", database_url],
         capture_output=True,
         text=True,
     )
     assert res.returncode == 1 and "soak: FAILED" in res.stdout
-    assert "drop_table happened 2 times" in res.stdout
+    assert "drop_table happened 2 times" in res.stdout and "dead_letter after" in res.stdout
