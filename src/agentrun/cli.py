@@ -241,7 +241,8 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
 
 
 def make_client() -> anthropic.AsyncAnthropic:
-    import anthropic  # 2.7 s to import: only the worker pays it, not runs/steps/cancel
+    # 2.7 s to import: only the worker pays it, not runs/steps/cancel.
+    from agentrun.worker.client import AsyncAnthropic
 
     key = os.environ.get("ANTHROPIC_API_KEY")
     if not key:
@@ -250,7 +251,7 @@ def make_client() -> anthropic.AsyncAnthropic:
             "agentrun fake-anthropic with any key to run offline"
         )
     # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
-    return anthropic.AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
+    return AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
 
 
 async def cmd_worker(args: argparse.Namespace) -> int:
