@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from agentrun import __version__
 from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
-from agentrun.config import DATABASE_URL_ENV, env_float, env_int, redact_url
+from agentrun.config import DATABASE_URL_ENV, env_float, env_int, redact_message, redact_url
 from agentrun.embedded import database_url
 from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
@@ -523,7 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"agentrun: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except psycopg.OperationalError as exc:
-        err = DatabaseUnavailable(f"database error: {' '.join(str(exc).split())}")
+        reason = redact_message(" ".join(str(exc).split()), os.environ.get(DATABASE_URL_ENV))
+        err = DatabaseUnavailable(f"database error: {reason}")
         print(f"agentrun: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

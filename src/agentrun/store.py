@@ -39,7 +39,7 @@ from psycopg.types.string import (
 )
 from psycopg_pool import AsyncConnectionPool
 
-from agentrun.config import redact_url
+from agentrun.config import redact_message, redact_url
 from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -351,7 +351,7 @@ async def check_connect(url: str, connect_timeout: float = 5.0) -> None:
     except psycopg.OperationalError as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_url(reason)}"
+            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_message(reason, url)}"
         ) from None
     await conn.close()
 
