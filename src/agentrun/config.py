@@ -3,7 +3,8 @@
 Everything comes from the environment (``AGENTRUN_*``) so the same image runs as a worker, an
 operator or a CLI; command-line flags override where a command has them. Secrets (the database
 password, the provider's API key) come only from the environment, filled from Kubernetes Secrets,
-and are never printed: :func:`redact_url` masks the password in every message.
+and are never printed: :func:`redact_url` masks the password of a connection string, and
+:func:`redact_message` whatever libpq or the server quote of it, in every message.
 """
 
 from __future__ import annotations

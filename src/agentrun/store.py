@@ -48,7 +48,7 @@ from agentrun.errors import (
     RunCancelled,
     RunNotFound,
 )
-from agentrun.manifests import AgentSpec
+from agentrun.manifests import AgentSpec, pool_problem
 from agentrun.sql import queries
 
 log = logging.getLogger(__name__)
@@ -478,6 +478,8 @@ class Store:
         and whether this call created it."""
         if k8s is not None and external_key is None:
             external_key = k8s_key(k8s.uid)
+        if (problem := pool_problem(pool or agent.pool)) is not None:
+            raise ConfigError(f"pool {(pool or agent.pool)[:80]!r}: {problem}")
         params = {
             "external_key": external_key,
             "k8s_namespace": k8s.namespace if k8s else None,
