@@ -138,3 +138,9 @@ async def test_the_store_refuses_a_pool_no_notification_can_carry(store: Store) 
     with pytest.raises(ConfigError, match=r"pool 'ppp.*must be a DNS label of at most 63"):
         await store.create_run("t", agent, pool="p" * 9000)
     assert await store.list_runs() == []
+
+
+def test_an_idempotency_key_too_long_to_index(database_url: str, tmp_path: Path) -> None:
+    path = manifest(tmp_path, "metadata: {name: x}\nspec: {agent: {model: m}, task: t}")
+    refused("submit", "-f", path, "--idempotency-key", "k" * 9000, url=database_url,
+            says="the idempotency key has 9000 characters; at most 1024")

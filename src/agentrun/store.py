@@ -63,6 +63,9 @@ StepKind = Literal["model_turn", "tool_result", "user", "note"]
 CHANNEL_RUN_CHANGED = "agentrun_run_changed"
 CHANNEL_RUN_READY = "agentrun_run_ready"
 
+#: The longest external key (a client's idempotency key) a run takes.
+MAX_EXTERNAL_KEY = 1024
+
 #: Default lease TTL in seconds. Short, so a dead worker's run waits at most this long; workers
 #: renew with every commit and from a heartbeat at a third of the TTL.
 DEFAULT_LEASE_TTL = 15.0
@@ -480,6 +483,12 @@ class Store:
             external_key = k8s_key(k8s.uid)
         if (problem := pool_problem(pool or agent.pool)) is not None:
             raise ConfigError(f"pool {(pool or agent.pool)[:80]!r}: {problem}")
+        if external_key is not None and len(external_key) > MAX_EXTERNAL_KEY:
+            # Past about 2,700 bytes the unique index refuses it, as a database error.
+            raise ConfigError(
+                f"the idempotency key has {len(external_key)} characters; at most "
+                f"{MAX_EXTERNAL_KEY} (submit --idempotency-key)"
+            )
         params = {
             "external_key": external_key,
             "k8s_namespace": k8s.namespace if k8s else None,
