@@ -87,18 +87,24 @@ def odd_scenario() -> dict[str, Any]:
     ]}]}
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["one-worker", "resumed-from-the-log"])
 async def test_a_nul_and_a_lone_surrogate_from_model_and_tool_are_kept_exactly(
-    store: Store, workers: Workers, fake: FakeFactory, tmp_path: Path
+    store: Store, workers: Workers, fake: FakeFactory, tmp_path: Path, resumed: bool
 ) -> None:
     srv = fake(odd_scenario())
     calls = tmp_path / "odd-calls.txt"
     workers.env.update(ANTHROPIC_BASE_URL=srv.base_url, ODD_TOOL_CALLS=str(calls))
     agent = AGENT.model_copy(update={"tools": ["odd"], "thinking": None})
     run, _ = await store.create_run(TASK, agent)
+    if resumed:
+        # SIGKILLed once the tool result is committed: the next worker rebuilds the
+        # conversation it sends from the step log alone.
+        first = workers.start("w0", tools="odd_payloads.py", faults="after_tool_result_commit@1")
+        assert first.wait(60) == -9, first.output()[-3000:]
     w = workers.start("w1", tools="odd_payloads.py")
     done = await wait_run(store, run.id, lambda r: r.finished, 60)
     assert done.status == "succeeded", (done.error, w.output()[-3000:])
-    assert done.attempt == 1  # claimed once: no abandon and re-claim
+    assert done.attempt == (2 if resumed else 1)  # no abandon and re-claim loop
     assert calls.read_text().splitlines() == [f"{run.id} 0"]  # the tool ran once
 
     steps = await store.steps(run.id)
