@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -37,6 +38,7 @@ from psycopg_pool import PoolTimeout
 
 from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
+from agentrun.manifests import pool_problem
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
 from agentrun.tools import ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
@@ -69,6 +71,37 @@ class WorkerSettings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
+def check_settings(s: WorkerSettings) -> None:
+    """Refuse settings a worker cannot work with, naming the flag, its variable and the fix.
+
+    Each of these used to start a worker that did harm or nothing: a negative lease TTL
+    dead-lettered every run it claimed (each claim expired at once and was claimed again),
+    concurrency 0 never claimed, a negative one failed deep in the connection pool."""
+    def bad(flag: str, value: object, fix: str) -> ConfigError:
+        env = "AGENTRUN_" + flag.removeprefix("--").replace("-", "_").upper()
+        return ConfigError(f"{flag} {value} ({env}): {fix}")
+
+    finite = math.isfinite
+    if (problem := pool_problem(s.pool)) is not None:
+        shown = repr(s.pool) if len(s.pool) <= 80 else f"{s.pool[:40]!r}... ({len(s.pool)} chars)"
+        raise bad("--pool", shown, problem)
+    if s.concurrency < 1:
+        raise bad("--concurrency", s.concurrency, "must be at least 1 (runs held at once)")
+    if not (finite(s.lease_ttl) and s.lease_ttl >= 1):
+        raise bad("--lease-ttl", s.lease_ttl, "must be at least 1 (seconds; default 15)")
+    if not (finite(s.poll_interval) and s.poll_interval > 0):
+        raise bad("--poll-interval", s.poll_interval, "must be more than 0 (seconds; default 5)")
+    if not (finite(s.drain_grace) and s.drain_grace >= 0):
+        raise bad("--drain-grace", s.drain_grace, "must be 0 or more (seconds; default 25)")
+    if not (finite(s.liveness_threshold) and s.liveness_threshold > 0):
+        raise bad("--liveness-threshold", s.liveness_threshold,
+                  "must be more than 0 (seconds; default 60)")
+    if s.health_port is not None and not 0 <= s.health_port <= 65535:
+        raise bad("--health-port", s.health_port, "choose 1-65535, 0 for any, -1 to turn it off")
+    if s.retry.max_retries < 0:
+        raise bad("--model-retries", s.retry.max_retries, "must be 0 or more (default 8)")
+
+
 class Worker:
     def __init__(
         self,
@@ -77,6 +110,7 @@ class Worker:
         registry: ToolRegistry,
         settings: WorkerSettings,
     ) -> None:
+        check_settings(settings)
         self.store = store
         self.settings = settings
         self.metrics = WorkerMetrics()

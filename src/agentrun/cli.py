@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import errno
 import faulthandler
+import io
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -33,6 +35,7 @@ from agentrun.config import (
     DEFAULT_MODEL_DEADLINE,
     env_float,
     env_int,
+    redact_message,
     redact_url,
 )
 from agentrun.embedded import database_url
@@ -72,7 +75,13 @@ async def _open_store() -> Store:
     return await Store.open(url, max_size=2)
 
 
+#: The most runs ``agentrun runs`` lists at once.
+MAX_LIST = 100_000
+
+
 async def cmd_runs(args: argparse.Namespace) -> int:
+    if not 1 <= args.limit <= MAX_LIST:
+        raise ConfigError(f"--limit {args.limit}: must be between 1 and {MAX_LIST} (default 100)")
     async with await _open_store() as store:
         runs = await store.list_runs(pool=args.pool, status=args.status, limit=args.limit)
     if args.output == "json":
@@ -247,7 +256,8 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
 
 
 def make_client() -> anthropic.AsyncAnthropic:
-    import anthropic  # 2.7 s to import: only the worker pays it, not runs/steps/cancel
+    # 2.7 s to import: only the worker pays it, not runs/steps/cancel.
+    from agentrun.worker.client import AsyncAnthropic
 
     key = os.environ.get("ANTHROPIC_API_KEY")
     if not key:
@@ -256,12 +266,17 @@ def make_client() -> anthropic.AsyncAnthropic:
             "agentrun fake-anthropic with any key to run offline"
         )
     # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
-    return anthropic.AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
+    return AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
 
 
 async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.model_call import RetryPolicy
-    from agentrun.worker.process import Worker, WorkerSettings, default_worker_id
+    from agentrun.worker.process import (
+        Worker,
+        WorkerSettings,
+        check_settings,
+        default_worker_id,
+    )
 
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
@@ -273,13 +288,6 @@ async def cmd_worker(args: argparse.Namespace) -> int:
             f"(default {DEFAULT_MODEL_DEADLINE:g})"
         )
     health_port = None if args.health_port < 0 else args.health_port
-    # Before the tools, the database and the first claim: a taken port stops nothing midway.
-    check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
-    loaded = load_tool_modules(args.tools)
-    client = make_client()
-    url = database_url()
-    await check_connect(url)
-    await ensure_schema(url, auto=_using_embedded())
     settings = WorkerSettings(
         pool=args.pool,
         concurrency=args.concurrency,
@@ -291,6 +299,15 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
     )
+    # Before the tools, the database and the first claim: a bad setting or a taken port stops
+    # nothing midway.
+    check_settings(settings)
+    check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
+    loaded = load_tool_modules(args.tools)
+    client = make_client()
+    url = database_url()
+    await check_connect(url)
+    await ensure_schema(url, auto=_using_embedded())
     if loaded:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
     store = await Store.open(url, max_size=args.concurrency + 3, lease_ttl=args.lease_ttl)
@@ -515,6 +532,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(message: str) -> str:
+    """An error message as one line: a newline or NUL from the input (a manifest's name, a task)
+    shown as its escape."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"AGENTRUN_{name}", default)
 
@@ -534,13 +560,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     args = parser.parse_args(argv)
     func: AsyncCommand = args.func
+    # A run's text may hold what no terminal encoding can show (a lone surrogate): escaped, not
+    # a UnicodeEncodeError in the middle of a table.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return asyncio.run(func(args))
     except AgentrunError as exc:
-        print(f"agentrun: error: {exc}", file=sys.stderr)
+        print(f"agentrun: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except psycopg.OperationalError as exc:
-        err = DatabaseUnavailable(f"database error: {' '.join(str(exc).split())}")
+        reason = redact_message(" ".join(str(exc).split()), os.environ.get(DATABASE_URL_ENV))
+        err = DatabaseUnavailable(f"database error: {reason}")
         print(f"agentrun: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

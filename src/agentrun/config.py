@@ -3,7 +3,8 @@
 Everything comes from the environment (``AGENTRUN_*``) so the same image runs as a worker, an
 operator or a CLI; command-line flags override where a command has them. Secrets (the database
 password, the provider's API key) come only from the environment, filled from Kubernetes Secrets,
-and are never printed: :func:`redact_url` masks the password in every message.
+and are never printed: :func:`redact_url` masks the password of a connection string, and
+:func:`redact_message` whatever libpq or the server quote of it, in every message.
 """
 
 from __future__ import annotations
@@ -22,18 +23,171 @@ DATABASE_URL_ENV = "AGENTRUN_DATABASE_URL"
 DEFAULT_MODEL_DEADLINE = 600.0
 
 
+_URI_PREFIXES = ("postgresql://", "postgres://")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+#: Anything that looks like a password wherever it stands (a URI's user info, a password= pair,
+#: quoted or not): also one hidden in another value, as libpq expands a dbname=postgresql://...
+_URI_PASSWORD = re.compile(r"://[^:/@\s]*:([^@]*)@")
+_KEYWORD_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'?|(?:[^\s\\]|\\.)*)")
+_QUOTED = re.compile(r'"([^"]*)"')
+MASK = "***"
+#: What libpq's own message templates quote (missing "=" after ..., looking for matching "]").
+_LIBPQ_WORDS = frozenset({"=", "]"})
+
+
+def _keyword_spans(url: str) -> list[tuple[int, int]] | None:
+    """Where each password value is written in a keyword/value string, read as libpq reads it
+    (``key = value``, a value quoted with ' or ending at whitespace, backslash escapes); None if
+    libpq would refuse the string."""
+    spans: list[tuple[int, int]] = []
+    i, n = 0, len(url)
+    while True:
+        while i < n and url[i].isspace():
+            i += 1
+        if i >= n:
+            return spans
+        start = i
+        while i < n and url[i] != "=" and not url[i].isspace():
+            i += 1
+        key = url[start:i]
+        while i < n and url[i].isspace():
+            i += 1
+        if i >= n or url[i] != "=":
+            return None
+        i += 1
+        while i < n and url[i].isspace():
+            i += 1
+        value = i
+        if i < n and url[i] == "'":
+            i += 1
+            while i < n and url[i] != "'":
+                i += 2 if url[i] == "\\" else 1
+            if i >= n:
+                return None
+            i += 1
+        else:
+            while i < n and not url[i].isspace():
+                i += 2 if url[i] == "\\" else 1
+        if key == "password":
+            spans.append((value, min(i, n)))
+
+
+def _uri_spans(url: str) -> list[tuple[int, int]]:
+    """Where the password is written in a URI that libpq accepts: the user info (up to the first
+    @ before any /) and any password= query parameter."""
+    spans = []
+    rest = url.index("://") + 3
+    end = rest
+    while end < len(url) and url[end] not in "@/":
+        end += 1
+    if end < len(url) and url[end] == "@" and ":" in url[rest:end]:
+        spans.append((url.index(":", rest) + 1, end))
+    query = url.find("?")
+    if query >= 0:
+        at = query + 1
+        for pair in url[query + 1 :].split("&"):
+            if pair.split("=", 1)[0] == "password":
+                spans.append((at + len("password="), at + len(pair)))
+            at += len(pair) + 1
+    return spans
+
+
+def _password_spans(url: str) -> list[tuple[int, int]]:
+    """Every stretch of ``url`` that is, or may be, a password. A string libpq refuses has no
+    known end to its password (``password=se cret`` is 'se' and a stray 'cret'): everything from
+    where a password may begin to the end of the string counts."""
+    try:
+        conninfo_to_dict(url)
+        parsed = True
+    except psycopg.ProgrammingError:
+        parsed = False
+    spans: list[tuple[int, int]] = []
+    if url.startswith(_URI_PREFIXES):
+        if parsed:
+            spans += _uri_spans(url)
+        else:
+            rest = url.index("://") + 3
+            last_at = url.rfind("@")
+            colon = url.find(":", rest)
+            if 0 <= colon < last_at:
+                spans.append((colon + 1, last_at))
+            m = re.search(r"password=", url)
+            if m:
+                spans.append((m.end(), len(url)))
+    else:
+        keyword = _keyword_spans(url) if parsed else None
+        if keyword is not None:
+            spans += keyword
+        else:
+            m = re.search(r"password\s*=\s*", url)
+            if m:
+                spans.append((m.end(), len(url)))
+    spans += [m.span(1) for m in _URI_PASSWORD.finditer(url)]
+    spans += [m.span(1) for m in _KEYWORD_PASSWORD.finditer(url)]
+    return sorted((a, b) for a, b in spans if b > a)
+
+
+def _mask(text: str, spans: list[tuple[int, int]], mask: str) -> str:
+    merged: list[list[int]] = []
+    for start, end in spans:  # sorted
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out, at = [], 0
+    for start, end in merged:
+        out.append(text[at:start] + mask)
+        at = end
+    return "".join(out) + text[at:]
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, for messages and logs."""
-    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-    return re.sub(r"(password=)\S+", r"\1***", url)
+    """The URL or keyword/value connection string with its password replaced by ``***``, for
+    messages and logs. No part of a password survives, however it is quoted or mis-quoted."""
+    return _mask(url, _password_spans(url), MASK)
+
+
+def redact_message(message: str, url: str | None) -> str:
+    """A message from libpq or the server about ``url``, safe to print.
+
+    libpq quotes pieces of the connection string in its errors (``missing "=" after "cret"``,
+    ``invalid percent-encoded token: "pa%zz"``, a whole URI): a quoted piece is kept only if it
+    stands in the string outside every password; the password itself is masked wherever it
+    appears. Also masks any other connection string the message holds."""
+    message = redact_url(message)
+    if not url:
+        return message
+    spans = _password_spans(url)
+    if url in message:
+        message = message.replace(url, redact_url(url))
+    outside = _mask(url, spans, "\x00")
+    secrets = {url[a:b].strip("'") for a, b in spans}
+    try:
+        secrets.add(str(conninfo_to_dict(url).get("password") or ""))
+    except psycopg.ProgrammingError:
+        pass
+    secrets.discard("")
+
+    def quoted(m: re.Match[str]) -> str:
+        piece = m.group(1)
+        if piece in _LIBPQ_WORDS or (piece in outside and not any(s in piece for s in secrets)):
+            return m.group()
+        return f'"{MASK}"'
+
+    message = _QUOTED.sub(quoted, message)
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= 4:  # shorter ones only where quoted: masking every "ab" garbles
+            message = message.replace(secret, MASK)
+    return message
 
 
 def validate_database_url(url: str) -> str:
     """Check the URL parses as a libpq connection string; raise ConfigError naming the problem."""
     if not url.strip():
         raise ConfigError(f"{DATABASE_URL_ENV} is empty; unset it to use the embedded PostgreSQL")
-    if "://" in url and not url.startswith(("postgresql://", "postgres://")):
-        scheme = url.split("://", 1)[0]
+    scheme_match = _SCHEME.match(url)
+    if scheme_match and not url.startswith(_URI_PREFIXES):
+        scheme = scheme_match.group()[:-3]
         raise ConfigError(
             f"{DATABASE_URL_ENV} has scheme {scheme!r}; expected postgresql://USER@HOST:PORT/DB"
         )
@@ -42,7 +196,7 @@ def validate_database_url(url: str) -> str:
     except psycopg.ProgrammingError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(
-            f"{DATABASE_URL_ENV} is malformed ({redact_url(reason)}); "
+            f"{DATABASE_URL_ENV} is malformed ({redact_message(reason, url)}); "
             "expected postgresql://USER@HOST:PORT/DB"
         ) from None
     port = str(params.get("port") or "")

@@ -7,6 +7,7 @@ them, and the CRDs' schemas are generated from them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,6 +44,20 @@ MAX_TOOL_NAME = 64
 #: A pool names a worker Deployment and a label value: a DNS label.
 POOL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_POOL = 63
+
+_POOL_RE = re.compile(POOL_PATTERN)
+
+
+def pool_problem(pool: str) -> str | None:
+    """What is wrong with a pool name (None: nothing). A pool names a Deployment and rides in
+    every run-ready notification, whose payload PostgreSQL caps at 8000 bytes."""
+    if len(pool) > MAX_POOL or not _POOL_RE.match(pool):
+        return (
+            f"must be a DNS label of at most {MAX_POOL} characters (lower-case letters, digits "
+            "and '-', starting and ending with a letter or digit), as spec.pool"
+        )
+    return None
+
 
 #: The rules JSON schema cannot say; the CRDs state them as CEL (agentrun.operator.crds) with
 #: these messages, so ``kubectl apply`` and ``agentrun submit -f`` word a refusal alike.
@@ -207,8 +222,9 @@ class AgentRunSpec(_Spec):
 
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1)
-    namespace: str | None = None
+    # Kubernetes' own bounds: an object name is a DNS subdomain, a namespace a DNS label.
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    namespace: str | None = Field(None, max_length=MAX_POOL)
 
 
 class AgentManifest(BaseModel):
@@ -279,6 +295,12 @@ def load_manifests(paths: list[str]) -> list[ResolvedRun]:
             docs = [d for d in yaml.safe_load_all(text) if d is not None]
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            # A lone surrogate written out (CESU-8, ED A0 80) lands here too: no UTF-8 text.
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.end]!r}); "
+                "save it as UTF-8"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         for i, doc in enumerate(docs):

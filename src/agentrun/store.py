@@ -17,7 +17,8 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Self, overload
@@ -25,11 +26,20 @@ from uuid import UUID
 
 import psycopg
 from psycopg import sql
+from psycopg.abc import Buffer
+from psycopg.adapt import AdaptersMap
 from psycopg.rows import class_row, dict_row
-from psycopg.types.json import Json, Jsonb
+from psycopg.types.json import Json, Jsonb, set_json_dumps, set_json_loads
+from psycopg.types.string import (
+    StrBinaryDumper,
+    StrDumper,
+    StrDumperUnknown,
+    TextBinaryLoader,
+    TextLoader,
+)
 from psycopg_pool import AsyncConnectionPool
 
-from agentrun.config import redact_url
+from agentrun.config import redact_message, redact_url
 from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -38,7 +48,7 @@ from agentrun.errors import (
     RunCancelled,
     RunNotFound,
 )
-from agentrun.manifests import AgentSpec
+from agentrun.manifests import AgentSpec, pool_problem
 from agentrun.sql import queries
 
 log = logging.getLogger(__name__)
@@ -53,6 +63,9 @@ StepKind = Literal["model_turn", "tool_result", "user", "note"]
 CHANNEL_RUN_CHANGED = "agentrun_run_changed"
 CHANNEL_RUN_READY = "agentrun_run_ready"
 
+#: The longest external key (a client's idempotency key) a run takes.
+MAX_EXTERNAL_KEY = 1024
+
 #: Default lease TTL in seconds. Short, so a dead worker's run waits at most this long; workers
 #: renew with every commit and from a heartbeat at a third of the TTL.
 DEFAULT_LEASE_TTL = 15.0
@@ -60,6 +73,132 @@ DEFAULT_LEASE_TTL = 15.0
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# -- what PostgreSQL cannot hold -------------------------------------------------------------------
+#
+# A tool's output or a model's text may contain NUL (text and jsonb refuse U+0000) or a lone
+# surrogate (U+D800-U+DFFF: not Unicode scalar values, so they have no UTF-8 form and jsonb refuses
+# their escapes). Refused, such a step was abandoned and re-claimed until the run was dead-lettered,
+# re-running its tools each time. Instead every string the store writes (text parameters, and
+# every string and key inside JSON) is escaped losslessly, and every string it reads is unescaped:
+# callers put in and get back exactly the same Python strings. The escape character is U+FFFF, a
+# noncharacter ("permanently reserved for internal use"), so ordinary text is stored unchanged:
+#
+#     U+0000 -> U+FFFF "0"     a lone surrogate U+Dxxx -> U+FFFF "dxxx"     U+FFFF -> U+FFFF U+FFFF
+#
+# The escaping is applied in one place: the adapters of every connection the store opens
+# (STORE_ADAPTERS below), so no query can forget it. SQL that reads such a string sees its
+# escaped form (payload ->> 'content' of such a step starts with the escape); it is
+# concatenated and compared consistently, since the escape works character by character.
+
+ESCAPE = "\uffff"
+_TO_ESCAPE = re.compile("[\x00\ud800-\udfff\uffff]")
+_ESCAPED = re.compile("\uffff(0|\uffff|d[89a-f][0-9a-f]{2})")
+#: In JSON text: a NUL escape, a raw surrogate or the escape character (false positives only cost
+#: a walk over the value).
+_JSON_NEEDS_ESCAPE = re.compile("\\\\u0000|[\ud800-\udfff\uffff]")
+_ESCAPE_UTF8 = ESCAPE.encode()
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    if c == "\x00":
+        return ESCAPE + "0"
+    if c == ESCAPE:
+        return ESCAPE + ESCAPE
+    return f"{ESCAPE}{ord(c):04x}"
+
+
+def _unescape_char(m: re.Match[str]) -> str:
+    code = m.group(1)
+    if code == "0":
+        return "\x00"
+    if code == ESCAPE:
+        return ESCAPE
+    return chr(int(code, 16))
+
+
+def escape_text(value: str) -> str:
+    """``value`` as the store writes it: no NUL, no lone surrogate (see above)."""
+    return _TO_ESCAPE.sub(_escape_char, value) if _TO_ESCAPE.search(value) else value
+
+
+def unescape_text(value: str) -> str:
+    """The inverse of :func:`escape_text`."""
+    return _ESCAPED.sub(_unescape_char, value) if ESCAPE in value else value
+
+
+def _walk(value: Any, fix: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return fix(value)
+    if isinstance(value, dict):
+        return {fix(k) if isinstance(k, str) else k: _walk(v, fix) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_walk(v, fix) for v in value]
+    return value
+
+
+def stored_json(value: Any) -> str:
+    """The JSON text the store writes for ``value``: canonical, its strings escaped."""
+    text = canonical_json(value)
+    if _JSON_NEEDS_ESCAPE.search(text):
+        text = canonical_json(_walk(value, escape_text))
+    return text
+
+
+def loaded_json(data: bytes | bytearray | memoryview | str) -> Any:
+    """The value of JSON text the store wrote (:func:`stored_json`)."""
+    raw = bytes(data) if isinstance(data, memoryview | bytearray) else data
+    value = json.loads(raw)
+    escaped = (ESCAPE in raw) if isinstance(raw, str) else (_ESCAPE_UTF8 in raw)
+    return _walk(value, unescape_text) if escaped else value
+
+
+class _StrDumper(StrDumperUnknown):
+    def dump(self, obj: str) -> Buffer | None:
+        return super().dump(escape_text(obj))
+
+
+class _StrTextDumper(StrDumper):
+    def dump(self, obj: str) -> Buffer | None:
+        return super().dump(escape_text(obj))
+
+
+class _StrBinaryDumper(StrBinaryDumper):
+    def dump(self, obj: str) -> Buffer | None:
+        return super().dump(escape_text(obj))
+
+
+class _TextLoader(TextLoader):
+    def load(self, data: Buffer) -> bytes | str:
+        value = super().load(data)
+        return unescape_text(value) if isinstance(value, str) else value
+
+
+class _TextBinaryLoader(TextBinaryLoader):
+    def load(self, data: Buffer) -> bytes | str:
+        value = super().load(data)
+        return unescape_text(value) if isinstance(value, str) else value
+
+
+def _store_adapters() -> AdaptersMap:
+    adapters = AdaptersMap(psycopg.adapters)
+    # The order matters: the dumper registered last for str is the default (psycopg registers
+    # its "unknown"-typed one last too, so a str parameter can stand for any type).
+    adapters.register_dumper(str, _StrBinaryDumper)
+    adapters.register_dumper(str, _StrTextDumper)
+    adapters.register_dumper(str, _StrDumper)
+    for oid in ("text", "varchar"):
+        adapters.register_loader(oid, _TextLoader)
+        adapters.register_loader(oid, _TextBinaryLoader)
+    set_json_dumps(stored_json, adapters)
+    set_json_loads(loaded_json, adapters)
+    return adapters
+
+
+#: The adapters of every store connection: the escaping above, in both directions.
+STORE_ADAPTERS = _store_adapters()
 
 
 @dataclass(frozen=True)
@@ -76,7 +215,8 @@ class PromptVersion:
         body = canonical_json(
             {"model": self.model, "system": self.system, "tools": self.tools, "params": self.params}
         )
-        return hashlib.sha256(body.encode()).hexdigest()
+        # surrogatepass: a lone surrogate has no UTF-8 form; valid text hashes as before.
+        return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def k8s_key(uid: str) -> str:
@@ -192,7 +332,7 @@ class Notification:
     payload: str
 
     def json(self) -> Any:
-        return json.loads(self.payload)
+        return loaded_json(self.payload)  # built in SQL from escaped columns
 
 
 def parse_run_id(value: str | UUID) -> UUID:
@@ -214,7 +354,7 @@ async def check_connect(url: str, connect_timeout: float = 5.0) -> None:
     except psycopg.OperationalError as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_url(reason)}"
+            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_message(reason, url)}"
         ) from None
     await conn.close()
 
@@ -266,7 +406,11 @@ class Store:
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True, "prepare_threshold": prepare_threshold()},
+            kwargs={
+                "autocommit": True,
+                "prepare_threshold": prepare_threshold(),
+                "context": STORE_ADAPTERS,
+            },
             open=False,
             name="agentrun",
             timeout=pool_timeout,
@@ -296,8 +440,9 @@ class Store:
                     "id": pv.id,
                     "model": pv.model,
                     "system": pv.system,
-                    "tools": Json(pv.tools, dumps=canonical_json),
-                    "params": Json(pv.params, dumps=canonical_json),
+                    # No dumps= here: the store's own (stored_json) is canonical and escapes.
+                    "tools": Json(pv.tools),
+                    "params": Json(pv.params),
                 },
             )
         return pv.id
@@ -312,8 +457,10 @@ class Store:
         return PromptVersion(
             model=row["model"],
             system=row["system"],
-            tools=json.loads(row["tools"]),
-            params=json.loads(row["params"]),
+            # Read as text, already unescaped: a NUL or lone surrogate is a raw character inside
+            # a JSON string now, which strict=False accepts.
+            tools=json.loads(row["tools"], strict=False),
+            params=json.loads(row["params"], strict=False),
         )
 
     # -- runs ----------------------------------------------------------------------------------
@@ -334,6 +481,14 @@ class Store:
         and whether this call created it."""
         if k8s is not None and external_key is None:
             external_key = k8s_key(k8s.uid)
+        if (problem := pool_problem(pool or agent.pool)) is not None:
+            raise ConfigError(f"pool {(pool or agent.pool)[:80]!r}: {problem}")
+        if external_key is not None and len(external_key) > MAX_EXTERNAL_KEY:
+            # Past about 2,700 bytes the unique index refuses it, as a database error.
+            raise ConfigError(
+                f"the idempotency key has {len(external_key)} characters; at most "
+                f"{MAX_EXTERNAL_KEY} (submit --idempotency-key)"
+            )
         params = {
             "external_key": external_key,
             "k8s_namespace": k8s.namespace if k8s else None,

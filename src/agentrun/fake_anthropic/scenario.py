@@ -57,6 +57,13 @@ class _Strict(BaseModel):
 class TextBlock(_Strict):
     type: Literal["text"] = "text"
     text: str
+    # The text holds JSON string escapes, decoded when the turn is sent: the way to script a lone
+    # surrogate (\ud800), which no YAML or pydantic string can hold, or a NUL (\u0000).
+    json_escapes: bool = False
+
+    @property
+    def sent_text(self) -> str:
+        return str(json.loads(f'"{self.text}"')) if self.json_escapes else self.text
 
 
 class ThinkingBlock(_Strict):
@@ -194,6 +201,7 @@ class Scenario(_Strict):
     delay_ms: int = Field(default=0, ge=0)
     stream_delay_ms: int = Field(default=0, ge=0)
     record_bodies: bool = False  # keep each request's raw body in the request log (as `body`)
+    record_messages: bool = False  # keep each request's messages in the request log
     scripts: list[Script] = Field(min_length=1)
 
     @model_validator(mode="after")

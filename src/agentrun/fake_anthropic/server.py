@@ -145,7 +145,7 @@ def build_message(
     content: list[dict[str, Any]] = []
     for k, block in enumerate(turn.content):
         if isinstance(block, TextBlock):
-            content.append({"type": "text", "text": block.text, "citations": None})
+            content.append({"type": "text", "text": block.sent_text, "citations": None})
         elif isinstance(block, ThinkingBlock):
             signature = sign_thinking(
                 scenario.secret,
@@ -322,6 +322,8 @@ class _Handlers:
                 n_messages=len(body["messages"]),
                 stream=bool(body.get("stream")),
             )
+            if scenario.record_messages:
+                entry["messages"] = body["messages"]
             script, turn_index = _select(scenario, body)
             entry.update(script=script.name, turn=turn_index)
             invalid = find_invalid_signature(scenario.secret, body)

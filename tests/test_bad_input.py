@@ -1,0 +1,146 @@
+"""Bad input and settings are one line naming the flag or field and the fix, exit 2, never a
+traceback (issue 12, F14); text PostgreSQL cannot hold as is (a NUL in a task) is stored as
+given (F7). Every case runs the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from agentrun.errors import ConfigError
+from agentrun.manifests import AgentSpec
+from agentrun.store import Store
+
+
+def one_line_error(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("agentrun: error: "), stderr
+    return lines[0]
+
+
+def refused(*args: str, url: str, says: str, env: dict[str, str] | None = None) -> str:
+    proc = run_cli(*args, env={"AGENTRUN_DATABASE_URL": url, "ANTHROPIC_API_KEY": "test",
+                               **(env or {})}, timeout=30)
+    line = one_line_error(proc.stderr)
+    assert proc.returncode == 2, proc.stderr
+    assert says in line, line
+    return line
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "100001"])
+def test_runs_limit_out_of_range(database_url: str, limit: str) -> None:
+    refused("runs", "--limit", limit, url=database_url, says=f"--limit {limit}: must be between")
+
+
+WORKER_CASES = [
+    (["--concurrency", "-3"], "--concurrency -3 (AGENTRUN_CONCURRENCY): must be at least 1"),
+    (["--concurrency", "0"], "--concurrency 0 (AGENTRUN_CONCURRENCY): must be at least 1"),
+    (["--lease-ttl", "-5"], "--lease-ttl -5.0 (AGENTRUN_LEASE_TTL): must be at least 1"),
+    (["--lease-ttl", "0.2"], "--lease-ttl 0.2 (AGENTRUN_LEASE_TTL): must be at least 1"),
+    (["--lease-ttl", "nan"], "--lease-ttl nan (AGENTRUN_LEASE_TTL): must be at least 1"),
+    (["--poll-interval", "0"], "--poll-interval 0.0 (AGENTRUN_POLL_INTERVAL): must be more"),
+    (["--drain-grace", "-1"], "--drain-grace -1.0 (AGENTRUN_DRAIN_GRACE): must be 0 or more"),
+    (["--liveness-threshold", "0"], "--liveness-threshold 0.0 (AGENTRUN_LIVENESS_THRESHOLD)"),
+    (["--model-retries", "-1"], "--model-retries -1 (AGENTRUN_MODEL_RETRIES): must be 0 or"),
+    (["--pool", "p" * 9000], "(9000 chars) (AGENTRUN_POOL): must be a DNS label of at most 63"),
+    (["--pool", "Bad_Pool"], "--pool 'Bad_Pool' (AGENTRUN_POOL): must be a DNS label"),
+]
+
+
+@pytest.mark.parametrize(("flags", "says"), WORKER_CASES)
+def test_worker_settings_are_checked_at_start(
+    database_url: str, flags: list[str], says: str
+) -> None:
+    refused("worker", "--health-port", "-1", *flags, url=database_url, says=says)
+
+
+def test_worker_settings_from_the_environment_name_the_variable(database_url: str) -> None:
+    refused("worker", "--health-port", "-1", url=database_url,
+            env={"AGENTRUN_CONCURRENCY": "0"}, says="(AGENTRUN_CONCURRENCY): must be at least 1")
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield int(sock.getsockname()[1])
+
+
+def test_worker_health_port_taken(database_url: str, taken_port: int) -> None:
+    refused("worker", "--health-port", str(taken_port), url=database_url,
+            says=f"--health-port {taken_port} (AGENTRUN_HEALTH_PORT) is already in use")
+
+
+def manifest(tmp_path: Path, body: str, raw: bytes = b"") -> str:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(
+        b"apiVersion: agentrun.dev/v1alpha1\nkind: AgentRun\n" + body.encode() + raw + b"\n")
+    return str(path)
+
+
+async def test_a_nul_in_a_task_is_stored_as_given(
+    database_url: str, store: Store, tmp_path: Path
+) -> None:
+    path = manifest(tmp_path, 'metadata: {name: nul}\nspec:\n  agent: {model: m, system: "s\\0"}'
+                              '\n  task: "before\\0after"')
+    proc = run_cli("submit", "-f", path, env={"AGENTRUN_DATABASE_URL": database_url})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    run = await store.get_run(proc.stdout.strip())
+    assert run.task == "before\x00after"
+    assert run.agent_spec["system"] == "s\x00"
+
+
+async def test_runs_shows_text_no_terminal_can_print(database_url: str, store: Store) -> None:
+    run, _ = await store.create_run("t", AgentSpec(model="m"))
+    [(_, lease)] = (await store.claim(run.pool, "w1")).claimed
+    await store.finish(lease, "succeeded", result="lone \ud800 surrogate, NUL \x00")
+    proc = run_cli("runs", env={"AGENTRUN_DATABASE_URL": database_url})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "lone \\ud800 surrogate" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("body", "raw", "says"),
+    [
+        # A lone surrogate written out as bytes (CESU-8): not UTF-8.
+        ('metadata: {name: x}\nspec: {agent: {model: m}, task: "a', b'\xed\xa0\x80"}',
+         "not UTF-8 text (byte"),
+        # As a YAML escape: pydantic refuses it.
+        ('metadata: {name: x}\nspec: {agent: {model: m}, task: "a\\ud800"}', b"",
+         "spec.task: Input should be a valid string"),
+        ('metadata: {name: "x\\ud800"}\nspec: {agent: {model: m}, task: t}', b"",
+         "metadata.name: Input should be a valid string"),
+        ("metadata: {name: x}\nspec: {agent: {model: m}, task: t, pool: " + "p" * 9000 + "}",
+         b"", "spec.pool: String should have at most 63 characters"),
+        ("metadata: {name: " + "n" * 9000 + "}\nspec: {agent: {model: m}, task: t}", b"",
+         "metadata.name: String should have at most 253 characters"),
+        ('metadata: {name: x}\nspec: {agent: {model: m, tools: ["' + "t" * 9000 + '"]}, task: t}',
+         b"", "spec.agent.tools.0: String should have at most 64 characters"),
+        # A name with a newline in it: still one line.
+        ('metadata: {name: "two\\nlines"}\nspec: {agent: {model: m}, task: t, pool: Bad}', b"",
+         "AgentRun two\\nlines: spec.pool"),
+    ],
+)
+def test_bad_manifests_are_one_line(
+    database_url: str, tmp_path: Path, body: str, raw: bytes, says: str
+) -> None:
+    refused("submit", "-f", manifest(tmp_path, body, raw), url=database_url, says=says)
+
+
+async def test_the_store_refuses_a_pool_no_notification_can_carry(store: Store) -> None:
+    agent = AgentSpec(model="m")
+    with pytest.raises(ConfigError, match=r"pool 'ppp.*must be a DNS label of at most 63"):
+        await store.create_run("t", agent, pool="p" * 9000)
+    assert await store.list_runs() == []
+
+
+def test_an_idempotency_key_too_long_to_index(database_url: str, tmp_path: Path) -> None:
+    path = manifest(tmp_path, "metadata: {name: x}\nspec: {agent: {model: m}, task: t}")
+    refused("submit", "-f", path, "--idempotency-key", "k" * 9000, url=database_url,
+            says="the idempotency key has 9000 characters; at most 1024")

@@ -1,0 +1,126 @@
+"""Payloads PostgreSQL cannot hold as is are stored losslessly (issue 12, F7).
+
+text refuses NUL; jsonb refuses the \\u0000 escape and lone surrogates (which have no UTF-8 form).
+Refused, a step used to be abandoned and re-claimed, its tools re-run each time, until the run was
+dead-lettered. The store now escapes such strings on write and unescapes them on read
+(agentrun.store, "what PostgreSQL cannot hold"): a real worker runs the run once, the step log
+reads back exactly, and the next request carries exactly what the model sent and the tool
+returned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from workerkit import AGENT, FakeFactory, Workers, wait_run
+
+from agentrun.manifests import AgentSpec
+from agentrun.store import (
+    PromptVersion,
+    Store,
+    escape_text,
+    loaded_json,
+    stored_json,
+    unescape_text,
+)
+
+MODEL_TEXT = "x\x00y\ud800z"  # what the scripted model says (sent as JSON escapes)
+TOOL_TEXT = "a\x00b\ud800c"  # what tests/tool_modules/odd_payloads.py returns
+TASK = "task with a NUL \x00 and a lone surrogate \udc80"
+
+ODD_STRINGS = [
+    "",
+    "plain text, ünïcödé and 😀",
+    "\x00",
+    "\ud800",
+    "\udfff\ud800",
+    "\ud83d\ude00",  # a surrogate pair held as two code points: kept as two
+    "\uffff",
+    "\uffff0",
+    "\uffff\uffff0\x00",
+    "\uffffd800",
+    "tail escape \uffff",
+    MODEL_TEXT,
+]
+
+
+@pytest.mark.parametrize("text", ODD_STRINGS)
+def test_the_escape_is_lossless(text: str) -> None:
+    assert unescape_text(escape_text(text)) == text
+    assert "\x00" not in escape_text(text)
+    assert not any(0xD800 <= ord(c) <= 0xDFFF for c in escape_text(text))
+    value = {text: [text, {"k": text}, 1, 2.5, None, True]}
+    assert loaded_json(stored_json(value)) == value
+
+
+async def test_odd_strings_round_trip_through_every_kind_of_column(store: Store) -> None:
+    agent = AgentSpec(model="claude-sonnet-4-5", system="system \x00 prompt")
+    run, _ = await store.create_run(TASK, agent)
+    assert (await store.get_run(run.id)).task == TASK
+    assert (await store.get_run(run.id)).agent_spec["system"] == "system \x00 prompt"
+    pv = PromptVersion(
+        model="claude-sonnet-4-5",
+        system="".join(ODD_STRINGS),
+        tools=[{"name": "t", "description": s, "input_schema": {s: s}} for s in ODD_STRINGS],
+        params={"max_tokens": 10},
+    )
+    await store.ensure_prompt_version(pv)
+    assert await store.get_prompt_version(pv.id) == pv
+    [(_, lease)] = (await store.claim(run.pool, "w1")).claimed
+    payload: dict[str, Any] = {"content": [{"type": "text", "text": s} for s in ODD_STRINGS],
+                               "\x00key\ud800": "\uffff"}
+    await store.append_step(lease, 0, "model_turn", payload)
+    [step] = await store.steps(run.id)
+    assert step.payload == payload
+    await store.finish(lease, "failed", error="error \x00\ud800", result="result \udfff")
+    done = await store.get_run(run.id)
+    assert (done.error, done.result) == ("error \x00\ud800", "result \udfff")
+
+
+def odd_scenario() -> dict[str, Any]:
+    return {"name": "odd", "record_messages": True, "scripts": [{"name": "odd", "turns": [
+        {"content": [{"text": "x\\u0000y\\ud800z", "json_escapes": True},
+                     {"tool_use": {"name": "odd", "input": {"text": "go"}}}]},
+        {"content": [{"text": "done"}]},
+    ]}]}
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["one-worker", "resumed-from-the-log"])
+async def test_a_nul_and_a_lone_surrogate_from_model_and_tool_are_kept_exactly(
+    store: Store, workers: Workers, fake: FakeFactory, tmp_path: Path, resumed: bool
+) -> None:
+    srv = fake(odd_scenario())
+    calls = tmp_path / "odd-calls.txt"
+    workers.env.update(ANTHROPIC_BASE_URL=srv.base_url, ODD_TOOL_CALLS=str(calls))
+    agent = AGENT.model_copy(update={"tools": ["odd"], "thinking": None})
+    run, _ = await store.create_run(TASK, agent)
+    if resumed:
+        # SIGKILLed once the tool result is committed: the next worker rebuilds the
+        # conversation it sends from the step log alone.
+        first = workers.start("w0", tools="odd_payloads.py", faults="after_tool_result_commit@1")
+        assert first.wait(60) == -9, first.output()[-3000:]
+    w = workers.start("w1", tools="odd_payloads.py")
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert done.status == "succeeded", (done.error, w.output()[-3000:])
+    assert done.attempt == (2 if resumed else 1)  # no abandon and re-claim loop
+    assert calls.read_text().splitlines() == [f"{run.id} 0"]  # the tool ran once
+
+    steps = await store.steps(run.id)
+    assert [s.kind for s in steps] == ["model_turn", "tool_result", "model_turn"]
+    turn = steps[0].payload["content"]
+    assert [b["text"] for b in turn if b["type"] == "text"] == [MODEL_TEXT]
+    [result] = steps[1].payload["content"]
+    assert result["content"] == TOOL_TEXT
+
+    first, second = [r for r in srv.requests() if r.get("status") == 200]
+    assert first["messages"] == [{"role": "user", "content": TASK}]
+    # The second request is the task, the model's turn as it sent it, and the tool's output.
+    assert second["messages"][0] == {"role": "user", "content": TASK}
+    assert second["messages"][1]["role"] == "assistant"
+    sent = second["messages"][1]["content"]
+    assert [b["text"] for b in sent if b["type"] == "text"] == [MODEL_TEXT]
+    assert sent == turn
+    assert second["messages"][2] == {"role": "user", "content": steps[1].payload["content"]}
+    assert second["messages"][2]["content"][0]["content"] == TOOL_TEXT
