@@ -179,6 +179,31 @@ async def test_run_claimed_max_attempts_times_goes_to_dead_letter(
     assert again.claimed == [] and again.dead_lettered == []
 
 
+async def test_a_step_committed_since_the_last_claim_restores_the_attempt_budget(
+    store: Store, database_url: str
+) -> None:
+    (rid,) = await make_runs(store, 1, max_attempts=2)
+    # Five claims, each of which commits a step before its holder "dies": never dead-lettered.
+    for n in range(5):
+        ((run, lease),) = (await store.claim("default", f"w{n}")).claimed
+        assert run.attempt == n + 1 and run.stalled_attempts == 1
+        await store.append_step(lease, n, "note", {"n": n})
+        await expire_lease(database_url, rid)
+    # Then claims that commit nothing: the count of claims in a row without a step runs out.
+    for n in range(2):
+        ((run, _),) = (await store.claim("default", f"stall{n}")).claimed
+        assert run.stalled_attempts == n + 1
+        await expire_lease(database_url, rid)
+    result = await store.claim("default", "last")
+    assert [r.id for r in result.dead_lettered] == [rid]
+    run = await store.get_run(rid)
+    assert run.status == "dead_letter" and run.attempt == 7
+    assert run.error is not None and run.error.startswith(
+        "dead-lettered: claimed 2 times in a row without committing a step "
+        "(maxAttempts 2; 7 claims in all)"
+    )
+
+
 async def test_cancelled_run_is_not_claimable_and_its_holder_is_stopped(store: Store) -> None:
     pending, held = await make_runs(store, 2)
     ((_, lease),) = (await store.claim("default", "w1")).claimed
