@@ -253,6 +253,29 @@ async def test_cancel_annotation_cancels_the_run(
     await eventually(lambda: "Cancelled" in cluster.reasons("stop-me"), 10, "Cancelled event")
 
 
+async def test_cancel_annotation_never_interrupts_a_rollback(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("undo-me"))
+    run = await run_of(store, cluster, "undo-me")
+    ((_, lease),) = (await store.claim("default", "holder", ttl=60)).claimed
+    await store.begin_rollback(lease, "tool charge failed: card declined")  # compensating now
+    cluster.annotate("undo-me", {"agentrun.dev/cancel": "true"})
+
+    def ignored() -> list[str]:
+        return [e["message"] for e in cluster.events("undo-me") if e["reason"] == "CancelIgnored"]
+
+    await eventually(lambda: bool(ignored()), 15, "CancelIgnored event")
+    assert ignored() == [
+        "the run is rolling back (tool charge failed: card declined): a cancel does not "
+        "interrupt a rollback; it ends once its compensations ran"
+    ]
+    still = await store.get_run(run.id)
+    assert still.status == "running" and still.lease_owner == "holder"
+
+
 async def test_approve_and_reject_annotations_unblock_a_waiting_run(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:
