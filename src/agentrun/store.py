@@ -600,15 +600,13 @@ class Store:
         )
         if row is None:
             async with self.pool.connection() as conn:
-                error = await self._fence_error(conn, lease)
-                state = await (await conn.execute(
-                    queries["fence_state"], {"run_id": lease.run_id})).fetchone()
-            if state is not None and tuple(state) == ("running", lease.worker, lease.epoch):
-                # Held, yet the intent is not at that attempt any more: this claim read a stale
-                # effect and must not call the tool on its strength.
-                raise LeaseLost(str(lease.run_id), f"the intent of step {seq} call {call_index} "
-                                f"is no longer at attempt {attempt}; not calling it again")
-            raise error
+                cur = await conn.execute(queries["fence_state"], {"run_id": lease.run_id})
+                if tuple(await cur.fetchone() or ()) != ("running", lease.worker, lease.epoch):
+                    raise await self._fence_error(conn, lease)
+            # Held, yet the intent is not at that attempt any more: this claim read a stale
+            # effect and must not call the tool on its strength.
+            raise LeaseLost(str(lease.run_id), f"the intent of step {seq} call {call_index} is "
+                            f"no longer at attempt {attempt}; not calling it again")
         attempts: int = row[0]
         return attempts
 
