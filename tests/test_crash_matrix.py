@@ -5,7 +5,9 @@ the given class; a second worker resumes it. The tools write an effect ledger to
 the test checks it: pure and idempotent tools end in the same state, a non-idempotent effect
 happens exactly once, an irreversible effect never happens twice (the run waits for a human when
 its outcome is unknown, and the human's decision is given through the real CLI), seqs are
-contiguous and the run ends right.
+contiguous and the run ends right. Beyond the matrix: re-runs of an irreversible call whose
+approved attempt was killed again (each needs a decision of its own), compensation chains killed
+or cancelled in their middle, approvals across a worker restart.
 """
 
 from __future__ import annotations
