@@ -798,7 +798,16 @@ async def test_a_run_dead_lettered_by_oom_kills_says_so(
     [(_, lease)] = (await store.claim("default", f"{pod}-7-beef", ttl=0.3)).claimed
     await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
                             ttl=0.3)
-    # The worker "dies" (its lease, 0.3 s, runs out); the next claim finds the attempts spent.
+    # The worker "dies" in the tool (its lease, 0.3 s, runs out); the restarted one re-runs the
+    # tool and dies again, committing nothing; the next claim finds the attempts spent (a claim
+    # that committed a step, like the first, does not count against maxAttempts).
+    resumed: list[Run] = []
+    for _ in range(200):
+        resumed = [r for r, _ in (await store.claim("default", f"{pod}-8-cafe", ttl=0.3)).claimed]
+        if resumed:
+            break
+        await asyncio.sleep(0.05)
+    assert [r.k8s_name for r in resumed] == ["hungry"]
     dead: list[Run] = []
     for _ in range(200):
         dead = (await store.claim("default", "other-worker-1-x", ttl=30)).dead_lettered
