@@ -267,10 +267,13 @@ class OperatorApp:
             run = await store.get_run_by_k8s_uid(uid)
         if run is None or run.finished:
             return
-        _, changed = await store.cancel(run.id, f"AgentRun {namespace}/{name} deleted")
+        now, changed = await store.cancel(run.id, f"AgentRun {namespace}/{name} deleted")
         if changed:
             log.info("AgentRun %s/%s deleted: run cancelled; its history stays in the store",
                      namespace, name, extra={"run_id": str(run.id)})
+        elif now.rolling_back:
+            log.warning("AgentRun %s/%s deleted while its run rolls back: the rollback runs to "
+                        "its end", namespace, name, extra={"run_id": str(run.id)})
 
     async def _object_gone(self, t: Tracked, run: Run | None) -> None:
         if self.store is not None:

@@ -44,6 +44,7 @@ from agentrun.operator.status import (
     Reason,
     db_condition,
     not_ready,
+    one_line,
     set_condition,
     status_for,
 )
@@ -272,11 +273,15 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                 if key == CANCEL:
                     if value.lower() not in ("true", "yes", "1"):
                         raise ConfigError(f'{key} must be "true", not {value!r}')
-                    _run, changed = await store.cancel(run.id, f"cancelled by {who}")
+                    now, changed = await store.cancel(run.id, f"cancelled by {who}")
                     if not changed:
                         await app().event(ref, Event(
-                            "Normal", Reason.CANCEL_IGNORED,
-                            f"the run had already ended ({run.status})"), run.id)
+                            "Normal", Reason.CANCEL_IGNORED, one_line(
+                                f"the run is rolling back ({now.rollback_reason}): a cancel does "
+                                "not interrupt a rollback; it ends once its compensations ran"
+                                if now.rolling_back
+                                else f"the run had already ended ({now.status})", 1000)),
+                            run.id)
                 else:
                     try:
                         seq = int(value)

@@ -5,7 +5,9 @@ the given class; a second worker resumes it. The tools write an effect ledger to
 the test checks it: pure and idempotent tools end in the same state, a non-idempotent effect
 happens exactly once, an irreversible effect never happens twice (the run waits for a human when
 its outcome is unknown, and the human's decision is given through the real CLI), seqs are
-contiguous and the run ends right.
+contiguous and the run ends right. Beyond the matrix: re-runs of an irreversible call whose
+approved attempt was killed again (each needs a decision of its own), compensation chains killed
+or cancelled in their middle, approvals across a worker restart.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import run_cli
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
+from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_for, wait_run
 
 from agentrun.store import Store
 
@@ -377,3 +379,147 @@ async def test_reject_with_abort_compensates_and_fails_the_run(
     assert done.status == "failed"
     assert done.error == ("rejected by bob: too risky; compensated: release for reserve (step 0)")
     assert _effects(ledger_db, str(run.id)) == ["reserve:slot", "release:slot"]
+
+
+#: Re-runs of an irreversible call whose outcome is unknown: after a first attempt killed after
+#: its tool returned, each decision in turn, with the fault armed in the worker that acts on it.
+RERUNS: dict[str, tuple[list[tuple[str, str]], int]] = {  # case -> (decisions, tool calls)
+    # The approved re-run dies after its tool returned: a second decision is needed, and a
+    # rejection ends it. One call per decision, never more.
+    "killed-after-approved-call-returned-then-rejected": (
+        [("approve", "after_tool_return@0"), ("reject", "")],
+        2,
+    ),
+    # The approved re-run dies after counting its attempt, before calling: the decision is spent
+    # all the same (a crash cannot tell the two apart), so a second one is needed.
+    "killed-before-approved-call-then-approved": (
+        [("approve", "after_intent_commit@0"), ("approve", "")],
+        2,
+    ),
+    "killed-after-two-approved-calls-then-rejected": (
+        [("approve", "after_tool_return@0"), ("approve", "after_tool_return@0"), ("reject", "")],
+        3,
+    ),
+}
+DECIDED = {"approve": "approved", "reject": "rejected"}
+
+
+@pytest.mark.parametrize("case", list(RERUNS))
+async def test_one_decision_authorises_one_attempt_of_an_irreversible_call(
+    case: str, store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    decisions, calls = RERUNS[case]
+    srv = fake(scenario())
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    agent = AGENT.model_copy(update={"tools": ["drop_table"]})
+    run, _ = await store.create_run("use drop_table", agent)
+    rid = str(run.id)
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    env = {"AGENTRUN_DATABASE_URL": ledger_db}
+    w0 = workers.start("w0", tools=tools, faults="after_tool_return@0")
+    assert w0.wait() == -signal.SIGKILL, w0.output()[-2000:]
+    for n, (verb, fault) in enumerate(decisions, 1):
+        calls_so_far = ledger(ledger_db, rid)["attempts"]
+        w = workers.start(f"w{n}", tools=tools, faults=fault)
+        waiting = await wait_run(
+            store, run.id, lambda r: r.finished or r.status == "waiting_approval", 30
+        )
+        # Attempt n's outcome is unknown: the run waits for decision n, and says which.
+        assert waiting.status == "waiting_approval", (n, waiting.status, waiting.error)
+        assert waiting.pending_call is not None and waiting.pending_call["attempt"] == n
+        assert waiting.wait_reason is not None
+        assert f"drop_table (step 0, attempt {n})" in waiting.wait_reason
+        assert f"run it once more (attempt {n + 1})" in waiting.wait_reason
+        assert ledger(ledger_db, rid)["attempts"] == calls_so_far  # nothing ran while waiting
+        res = run_cli(verb, rid, "0", "--by", f"oncall{n}", env=env)
+        assert res.returncode == 0, res.stderr
+        assert f"(step 0, outcome unknown, attempt {n}) {DECIDED[verb]} by oncall{n}" in res.stdout
+        if fault:
+            assert w.wait() == -signal.SIGKILL, w.output()[-2000:]
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "succeeded", done.error
+    final = ledger(ledger_db, rid)
+    assert final["attempts"] == final["effects"] == calls
+    result = (await store.steps(run.id))[1].payload["content"][0]
+    last_verb = decisions[-1][0]
+    if last_verb == "reject":
+        assert result["is_error"] is True and "not retried" in result["content"]
+        assert f"oncall{len(decisions)}" in result["content"]
+    else:
+        assert result["content"] == "dropped orders_old"
+    with psycopg.connect(ledger_db) as conn:
+        rows = conn.execute(
+            "SELECT stage, attempt, decision, decided_by FROM approval ORDER BY attempt"
+        ).fetchall()
+    assert rows == [
+        ("outcome_unknown", n, DECIDED[verb], f"oncall{n}")
+        for n, (verb, _) in enumerate(decisions, 1)
+    ]
+
+
+async def test_a_plain_cancel_during_a_rollback_lets_every_compensation_run(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    srv = fake(
+        {
+            "name": "trip",
+            "scripts": [
+                {
+                    "name": "trip",
+                    "turns": [
+                        {"content": [{"tool_use": {"name": "book", "input": {"item": "seat"}}}]},
+                        {"content": [{"tool_use": {"name": "book", "input": {"item": "hotel"}}}]},
+                        {
+                            "content": [
+                                {"tool_use": {"name": "drop_table", "input": {"table": "plans"}}}
+                            ]
+                        },
+                        {"content": [{"text": "never reached"}]},
+                    ],
+                }
+            ],
+        }
+    )
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    agent = AGENT.model_copy(
+        update={"tools": ["book", "unbook", "drop_table"], "require_approval": True}
+    )
+    run, _ = await store.create_run("book a trip", agent)
+    rid = str(run.id)
+    env = {"AGENTRUN_DATABASE_URL": ledger_db}
+    gate_lock = 7146120500  # ledger_tools.GATE_LOCK: unbook waits for it
+    with psycopg.connect(ledger_db, autocommit=True) as gate:
+        gate.execute("SELECT pg_advisory_lock(%s)", (gate_lock,))
+        workers.start("w", tools=str(TOOLS_DIR / "ledger_tools.py"))
+        # Two bookings done; the run waits for approval of drop_table (step 4).
+        await wait_run(store, run.id, lambda r: r.status == "waiting_approval", 30)
+        res = run_cli("cancel", rid, "--rollback", "--reason", "plans changed", env=env)
+        assert res.returncode == 0 and "rollback requested" in res.stdout, res.stderr
+
+        def unbooks_started() -> int:
+            with psycopg.connect(ledger_db) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM ledger_attempts WHERE run_id = %s AND tool = 'unbook'",
+                    (rid,),
+                ).fetchone()
+            return int(row[0]) if row else 0
+
+        await wait_for(lambda: unbooks_started() == 1, 30, "the first compensation to start")
+        # The first compensation (unbook hotel) is in flight, held by the gate: a plain cancel now
+        # is refused, says why, and changes nothing.
+        plain = run_cli("cancel", rid, env=env)
+        assert plain.returncode == 1, plain.stdout
+        assert f"run {rid} is rolling back (cancelled: plans changed)" in plain.stderr
+        assert "a cancel does not interrupt a rollback" in plain.stderr
+        mid = await store.get_run(rid)
+        assert mid.status == "running" and mid.rollback_reason == "cancelled: plans changed"
+        gate.execute("SELECT pg_advisory_unlock(%s)", (gate_lock,))
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "cancelled"
+    assert done.error == (
+        "cancelled: plans changed; compensated: unbook for book (step 2), "
+        "unbook for book (step 0)"
+    )
+    assert _effects(ledger_db, rid) == ["book:seat", "book:hotel", "unbook:hotel", "unbook:seat"]
+    steps = await store.steps(rid)
+    assert [s.kind for s in steps[-2:]] == ["compensation", "compensation"]

@@ -253,6 +253,29 @@ async def test_cancel_annotation_cancels_the_run(
     await eventually(lambda: "Cancelled" in cluster.reasons("stop-me"), 10, "Cancelled event")
 
 
+async def test_cancel_annotation_never_interrupts_a_rollback(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("undo-me"))
+    run = await run_of(store, cluster, "undo-me")
+    ((_, lease),) = (await store.claim("default", "holder", ttl=60)).claimed
+    await store.begin_rollback(lease, "tool charge failed: card declined")  # compensating now
+    cluster.annotate("undo-me", {"agentrun.dev/cancel": "true"})
+
+    def ignored() -> list[str]:
+        return [e["message"] for e in cluster.events("undo-me") if e["reason"] == "CancelIgnored"]
+
+    await eventually(lambda: bool(ignored()), 15, "CancelIgnored event")
+    assert ignored() == [
+        "the run is rolling back (tool charge failed: card declined): a cancel does not "
+        "interrupt a rollback; it ends once its compensations ran"
+    ]
+    still = await store.get_run(run.id)
+    assert still.status == "running" and still.lease_owner == "holder"
+
+
 async def test_approve_and_reject_annotations_unblock_a_waiting_run(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:
@@ -775,7 +798,16 @@ async def test_a_run_dead_lettered_by_oom_kills_says_so(
     [(_, lease)] = (await store.claim("default", f"{pod}-7-beef", ttl=0.3)).claimed
     await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
                             ttl=0.3)
-    # The worker "dies" (its lease, 0.3 s, runs out); the next claim finds the attempts spent.
+    # The worker "dies" in the tool (its lease, 0.3 s, runs out); the restarted one re-runs the
+    # tool and dies again, committing nothing; the next claim finds the attempts spent (a claim
+    # that committed a step, like the first, does not count against maxAttempts).
+    resumed: list[Run] = []
+    for _ in range(200):
+        resumed = [r for r, _ in (await store.claim("default", f"{pod}-8-cafe", ttl=0.3)).claimed]
+        if resumed:
+            break
+        await asyncio.sleep(0.05)
+    assert [r.k8s_name for r in resumed] == ["hungry"]
     dead: list[Run] = []
     for _ in range(200):
         dead = (await store.claim("default", "other-worker-1-x", ttl=30)).dead_lettered

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal
 from uuid import UUID
 
 import psycopg
@@ -179,6 +180,31 @@ async def test_run_claimed_max_attempts_times_goes_to_dead_letter(
     assert again.claimed == [] and again.dead_lettered == []
 
 
+async def test_a_step_committed_since_the_last_claim_restores_the_attempt_budget(
+    store: Store, database_url: str
+) -> None:
+    (rid,) = await make_runs(store, 1, max_attempts=2)
+    # Five claims, each of which commits a step before its holder "dies": never dead-lettered.
+    for n in range(5):
+        ((run, lease),) = (await store.claim("default", f"w{n}")).claimed
+        assert run.attempt == n + 1 and run.stalled_attempts == 1
+        await store.append_step(lease, n, "note", {"n": n})
+        await expire_lease(database_url, rid)
+    # Then claims that commit nothing: the count of claims in a row without a step runs out.
+    for n in range(2):
+        ((run, _),) = (await store.claim("default", f"stall{n}")).claimed
+        assert run.stalled_attempts == n + 1
+        await expire_lease(database_url, rid)
+    result = await store.claim("default", "last")
+    assert [r.id for r in result.dead_lettered] == [rid]
+    run = await store.get_run(rid)
+    assert run.status == "dead_letter" and run.attempt == 7
+    assert run.error is not None and run.error.startswith(
+        "dead-lettered: claimed 2 times in a row without committing a step "
+        "(maxAttempts 2; 7 claims in all)"
+    )
+
+
 async def test_cancelled_run_is_not_claimable_and_its_holder_is_stopped(store: Store) -> None:
     pending, held = await make_runs(store, 2)
     ((_, lease),) = (await store.claim("default", "w1")).claimed
@@ -315,3 +341,36 @@ async def test_listen_reports_run_changes_and_ready_runs(store: Store) -> None:
     ]  # no notification per step
     assert all(p["id"] == str(rid) and p["pool"] == "p1" for p in changed)  # type: ignore[index]
     assert (CHANNEL_RUN_READY, "p1") in got
+
+
+async def test_each_decision_on_an_unknown_outcome_is_about_one_attempt(
+    store: Store, database_url: str
+) -> None:
+    (rid,) = await make_runs(store, 1)
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
+    await store.record_effect(
+        lease, 0, 0, key="k", tool="drop_table", tool_kind="irreversible", state="intent"
+    )
+    Decision = Literal["approved", "rejected"]
+    decisions: list[tuple[int, Decision]] = [(1, "approved"), (2, "rejected")]
+    for attempt, decision in decisions:
+        pending = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {},
+                   "stage": "outcome_unknown", "attempt": attempt}
+        await store.wait_for_approval(lease, "outcome unknown", pending)
+        decided = await store.decide(rid, 0, decision, decided_by=f"oncall{attempt}")
+        assert decided["attempt"] == attempt
+        ((_, lease),) = (await store.claim("default", f"w{attempt + 1}")).claimed
+        if decision == "approved":  # the approved re-run is counted before the tool is called
+            assert await store.retry_intent(lease, 0, 0, attempt) == attempt + 1
+            with pytest.raises(LeaseLost, match=f"no longer at attempt {attempt}"):
+                await store.retry_intent(lease, 0, 0, attempt)  # one decision, one attempt
+    assert (await store.effects(rid, 0))[0].attempts == 2
+    got = [await store.get_approval(rid, 0, 0, "outcome_unknown", n) for n in (1, 2, 3)]
+    assert [(a.decision, a.decided_by) if a else None for a in got] == [
+        ("approved", "oncall1"), ("rejected", "oncall2"), None]
+    # A worker whose claim was taken over cannot count an attempt.
+    await expire_lease(database_url, rid)
+    ((_, newer),) = (await store.claim("default", "w9")).claimed
+    with pytest.raises(LeaseLost, match="claimed again"):
+        await store.retry_intent(lease, 0, 0, 2)
+    assert newer.epoch == lease.epoch + 1

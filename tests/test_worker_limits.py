@@ -109,6 +109,42 @@ async def test_transient_failures_past_the_retry_budget_dead_letter_the_run(
     assert len(srv.requests()) == 6  # 3 claims x (1 call + 1 retry), then never again
 
 
+async def test_a_run_that_progresses_between_sigkills_is_never_dead_lettered(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    srv = fake(echo_scenario(6))  # model turns at seqs 0, 2, 4, 6, 8 call echo; seq 10 answers
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    healthy, _ = await store.create_run("echo", AGENT, max_attempts=3)
+    # Each worker commits one model turn (after the previous turn's tool result) and dies.
+    for n in range(5):
+        w = workers.start(f"k{n}", faults="after_model_turn_commit@*")
+        assert w.wait() == -signal.SIGKILL, w.output()[-2000:]
+        run = await store.get_run(healthy.id)
+        assert run.next_seq == 2 * n + 1 and run.status == "running", (n, run.error)
+    workers.start("last")
+    done = await wait_run(store, healthy.id, lambda r: r.finished, 40)
+    assert done.status == "succeeded", done.error
+    assert done.attempt == 6 and done.next_seq == 11  # every death counted, none fatal
+
+
+async def test_a_run_killed_before_any_step_every_time_is_dead_lettered_at_max_attempts(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    srv = fake(echo_scenario(2))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    poison, _ = await store.create_run("echo", AGENT, max_attempts=3)
+    for n in range(3):
+        w = workers.start(f"k{n}", faults="mid_model_stream@*")
+        assert w.wait() == -signal.SIGKILL, w.output()[-2000:]
+    workers.start("last")
+    done = await wait_run(store, poison.id, lambda r: r.finished, 40)
+    assert done.status == "dead_letter" and done.attempt == 3 and done.next_seq == 0
+    assert done.error is not None and "claimed 3 times in a row without committing a step" in (
+        done.error
+    )
+    assert len(srv.requests()) == 3  # the fourth claim dead-lettered it: no fourth model call
+
+
 async def test_drain_lets_a_running_tool_commit_then_releases_and_a_second_signal_exits_at_once(
     store: Store, workers: Workers, fake: FakeFactory
 ) -> None:

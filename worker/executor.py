@@ -390,7 +390,10 @@ class RunExecutor:
                 return {**result, **decided}
             if effect is None:
                 await record("intent")
-                crash_point("after_intent_commit", turn_seq)
+            else:  # a decided re-run: counted before the call, so one decision buys one call
+                await self.store.retry_intent(h.lease, turn_seq, index, effect.attempts)
+                self._committed(h)
+            crash_point("after_intent_commit", turn_seq)
         outcome = await self._invoke(h, spec, turn_seq, index, name, args)
         crash_point("after_tool_return", turn_seq)
         if recorded:
@@ -401,18 +404,25 @@ class RunExecutor:
         self, h: RunHandle, seq: int, index: int, name: str, args: dict[str, Any],
         effect: Effect | None,
     ) -> dict[str, Any] | None:
-        """None: go ahead and call. A dict: the decided tool_result (a rejection)."""
-        def pending(stage: str) -> dict[str, Any]:
-            return {"seq": seq, "call_index": index, "tool": name, "input": args, "stage": stage}
+        """None: go ahead and call. A dict: the decided tool_result (a rejection).
+
+        A decision is about one attempt of the call: an approval of an unknown outcome buys one
+        more attempt, and if that one's outcome is unknown too, the run waits again."""
+        def pending(stage: str, attempt: int = 1) -> dict[str, Any]:
+            return {"seq": seq, "call_index": index, "tool": name, "input": args, "stage": stage,
+                    "attempt": attempt}
 
         if effect is not None:  # an intent without an outcome: the worker died mid-call
-            decision = await self.store.get_approval(h.run.id, seq, index, "outcome_unknown")
+            attempt = effect.attempts
+            decision = await self.store.get_approval(
+                h.run.id, seq, index, "outcome_unknown", attempt)
             if decision is None:
                 raise WaitForApproval(
-                    f"outcome unknown: {name} (step {seq}) was called and its worker died before "
-                    "the outcome was recorded; check its target, then approve to run it again or "
-                    "reject to tell the model it was not retried",
-                    pending("outcome_unknown"),
+                    f"outcome unknown: {name} (step {seq}, attempt {attempt}) was called and its "
+                    "worker died before the outcome was recorded; check its target, then approve "
+                    f"to run it once more (attempt {attempt + 1}) or reject to tell the model it "
+                    "was not retried",
+                    pending("outcome_unknown", attempt),
                 )
             if decision.decision == "rejected":
                 return {"content": f"{name} was not retried: its outcome is unknown, and "

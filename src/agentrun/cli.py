@@ -147,6 +147,8 @@ async def cmd_decide(args: argparse.Namespace) -> int:
         )
         return 0
     stage = str(call["stage"]).replace("_", " ")
+    if call["stage"] == "outcome_unknown":  # each decision is about one attempt of the call
+        stage += f", attempt {int(call.get('attempt') or 1)}"
     print(
         f"run {args.run}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
         "the run resumes on the next claim"
@@ -167,6 +169,13 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     if changed:
         print(f"run {run.id} cancelled")
         return 0
+    if run.rolling_back:
+        print(
+            f"run {run.id} is rolling back ({run.rollback_reason}); a cancel does not interrupt "
+            "a rollback: its compensations run, then it ends",
+            file=sys.stderr,
+        )
+        return 1
     print(f"run {run.id} already finished ({run.status}); nothing to cancel", file=sys.stderr)
     return 1
 

@@ -6,7 +6,8 @@ seq is that of the model turn that asked for the call). Points:
 
 * ``mid_model_stream``: the first event of a streamed model turn has arrived, nothing committed;
 * ``after_model_turn_commit``: a model turn is committed, its tools not yet run;
-* ``after_intent_commit``: an irreversible call's intent is committed, the tool not yet called;
+* ``after_intent_commit``: an irreversible call's intent (or an approved re-run's attempt) is
+  committed, the tool not yet called;
 * ``after_tool_return``: a tool returned, its result not yet recorded or committed;
 * ``after_tool_result_commit``: a tool_result step is committed.
 """

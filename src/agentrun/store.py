@@ -262,6 +262,15 @@ class Run:
     rollback_reason: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    #: Claims in a row that committed no step (the poison-run guard dead-letters on this one,
+    #: not on ``attempt``); ``claim_seq``: next_seq when the latest claim was made.
+    stalled_attempts: int = 0
+    claim_seq: int = 0
+
+    @property
+    def rolling_back(self) -> bool:
+        """A rollback was asked for or began and the run has not ended: it runs to the end."""
+        return self.rollback_reason is not None and not self.finished
 
     @property
     def finished(self) -> bool:
@@ -302,6 +311,7 @@ class Effect:
     result: dict[str, Any] | None
     input: dict[str, Any]
     compensate: str | None
+    attempts: int = 1  # execution attempts started (an irreversible call: one per decision)
 
 
 @dataclass(frozen=True)
@@ -310,6 +320,7 @@ class Approval:
     decided_by: str
     reason: str | None
     decided_at: datetime
+    attempt: int = 1  # the attempt of the call it decides (see migration 0004)
 
 
 @dataclass(frozen=True)
@@ -639,7 +650,8 @@ class Store:
 
     async def cancel(self, run_id: str | UUID, reason: str | None = None) -> tuple[Run, bool]:
         """Cancel a run that has not finished. Returns the run as it now is and whether this call
-        cancelled it (False: it had already finished)."""
+        cancelled it (False: it had already finished, or it is rolling back (``rolling_back``):
+        a cancel never interrupts a rollback, which runs to its end)."""
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Run))
@@ -720,15 +732,38 @@ class Store:
         )
 
     async def get_approval(
-        self, run_id: UUID, seq: int, call_index: int, stage: str
+        self, run_id: UUID, seq: int, call_index: int, stage: str, attempt: int = 1
     ) -> Approval | None:
+        """The decision on attempt ``attempt`` of a call at ``stage`` ('before_call': may
+        attempt 1 start; 'outcome_unknown': attempt n died mid-call, may attempt n + 1 start)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Approval))
             await cur.execute(
                 queries["get_approval"],
-                {"run_id": run_id, "seq": seq, "call_index": call_index, "stage": stage},
+                {"run_id": run_id, "seq": seq, "call_index": call_index, "stage": stage,
+                 "attempt": attempt},
             )
             return await cur.fetchone()
+
+    async def retry_intent(self, lease: Lease, seq: int, call_index: int, attempt: int) -> int:
+        """Count an approved re-run of an irreversible call (whose attempt ``attempt`` has an
+        unknown outcome) before calling it, fenced; returns the new attempt number. A crash
+        during the re-run then needs a decision on that attempt: one decision, one execution."""
+        row = await self._fenced(
+            "retry_intent", lease, required=False, seq=seq, call_index=call_index,
+            attempt=attempt,
+        )
+        if row is None:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(queries["fence_state"], {"run_id": lease.run_id})
+                if tuple(await cur.fetchone() or ()) != ("running", lease.worker, lease.epoch):
+                    raise await self._fence_error(conn, lease)
+            # Held, yet the intent is not at that attempt any more: this claim read a stale
+            # effect and must not call the tool on its strength.
+            raise LeaseLost(str(lease.run_id), f"the intent of step {seq} call {call_index} is "
+                            f"no longer at attempt {attempt}; not calling it again")
+        attempts: int = row[0]
+        return attempts
 
     async def decide(
         self,
@@ -764,6 +799,8 @@ class Store:
                     "seq": seq,
                     "call_index": pending["call_index"],
                     "stage": pending["stage"],
+                    # Which attempt this decides (a wait recorded before 0004 has none: 1).
+                    "attempt": int(pending.get("attempt") or 1),
                     "decision": decision,
                     "decided_by": decided_by,
                     "reason": reason,

@@ -131,3 +131,36 @@ def hog(ctx: ToolContext, megabytes: int, every_attempt: bool = False) -> str:
             block[i] = 1
         return f"held {len(block) // (1024 * 1024)} MB"
     return "held nothing: this call was OOM-killed once already"
+
+
+#: The advisory lock ``unbook`` waits on: a test holds it to keep a compensation in flight.
+GATE_LOCK = 7146120500
+
+
+@tool(kind="non_idempotent", compensate="unbook")
+def book(ctx: ToolContext, item: str) -> str:
+    """Book an item (undone by unbook, which waits on the test's gate)."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (f"book:{item}", ctx.run_id, ctx.idempotency_key),
+        )
+    return f"booked {item}"
+
+
+@tool(kind="idempotent")
+def unbook(ctx: ToolContext, item: str) -> str:
+    """Undo a booking, once the test lets it: the attempt is committed first (the test sees the
+    compensation in flight), then it waits for the advisory lock GATE_LOCK the test holds."""
+    with _connect() as conn:
+        _attempt(conn, ctx)
+        conn.execute("SELECT pg_advisory_lock(%s)", (GATE_LOCK,))
+        conn.execute("SELECT pg_advisory_unlock(%s)", (GATE_LOCK,))
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (f"unbook:{item}", ctx.run_id, ctx.idempotency_key),
+        )
+    return f"unbooked {item}"

@@ -39,11 +39,14 @@ SELECT * FROM agent_run
 -- Oldest claimable runs of one pool: pending ones, and running ones whose holder's lease expired
 -- (pgqueuer's trick: the claim itself takes back stale leases, no reaper process needed).
 -- SKIP LOCKED lets concurrent claimers pass each other instead of queueing on the same rows.
--- A run already claimed max_attempts times is failing deterministically (a poison run): it goes
--- to dead_letter here instead of being handed out again. The epoch is bumped either way, so a
--- worker still holding an old claim is fenced off.
+-- A run claimed max_attempts times in a row without committing a step is failing
+-- deterministically (a poison run): it goes to dead_letter here instead of being handed out
+-- again. A step committed since the previous claim (claim_seq) starts the count over, so worker
+-- deaths between steps of a healthy run never add up to a dead letter. The epoch is bumped
+-- either way, so a worker still holding an old claim is fenced off.
 WITH candidate AS (
-    SELECT id FROM agent_run
+    SELECT id, CASE WHEN next_seq > claim_seq THEN 0 ELSE stalled_attempts END AS stalled
+      FROM agent_run
      WHERE pool = %(pool)s
        AND status IN ('pending', 'running')
        AND (lease_until IS NULL OR lease_until < now())
@@ -52,19 +55,24 @@ WITH candidate AS (
      FOR UPDATE SKIP LOCKED
 )
 UPDATE agent_run r
-   SET status      = CASE WHEN r.attempt >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
-       lease_owner = CASE WHEN r.attempt >= r.max_attempts THEN NULL ELSE %(worker)s END,
-       lease_until = CASE WHEN r.attempt >= r.max_attempts THEN NULL
+   SET status      = CASE WHEN c.stalled >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
+       lease_owner = CASE WHEN c.stalled >= r.max_attempts THEN NULL ELSE %(worker)s END,
+       lease_until = CASE WHEN c.stalled >= r.max_attempts THEN NULL
                           ELSE now() + make_interval(secs => %(ttl)s) END,
        lease_epoch = r.lease_epoch + 1,
-       attempt     = CASE WHEN r.attempt >= r.max_attempts THEN r.attempt ELSE r.attempt + 1 END,
-       error       = CASE WHEN r.attempt >= r.max_attempts
-                          THEN format('dead-lettered: claimed %%s times without finishing '
-                                      '(maxAttempts %%s); last error: %%s',
-                                      r.attempt, r.max_attempts, coalesce(r.error, 'none'))
+       attempt     = CASE WHEN c.stalled >= r.max_attempts THEN r.attempt ELSE r.attempt + 1 END,
+       stalled_attempts = CASE WHEN c.stalled >= r.max_attempts THEN c.stalled
+                               ELSE c.stalled + 1 END,
+       claim_seq   = r.next_seq,
+       error       = CASE WHEN c.stalled >= r.max_attempts
+                          THEN format('dead-lettered: claimed %%s times in a row without '
+                                      'committing a step (maxAttempts %%s; %%s claims in all); '
+                                      'last error: %%s',
+                                      c.stalled, r.max_attempts, r.attempt,
+                                      coalesce(r.error, 'none'))
                           ELSE r.error END,
        started_at  = coalesce(r.started_at, now()),
-       finished_at = CASE WHEN r.attempt >= r.max_attempts THEN now() ELSE NULL END
+       finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END
   FROM candidate c
  WHERE r.id = c.id
 RETURNING r.*;
@@ -111,7 +119,7 @@ RETURNING lease_until;
 -- the attempt is given back, since a deploy is not a sign of a poison run.
 UPDATE agent_run
    SET status = 'pending', lease_owner = NULL, lease_until = NULL,
-       attempt = greatest(attempt - 1, 0)
+       attempt = greatest(attempt - 1, 0), stalled_attempts = greatest(stalled_attempts - 1, 0)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING id;
@@ -128,11 +136,14 @@ RETURNING id;
 -- Cancellation is a status change. The holder's next append, renewal or finish no longer matches
 -- its fence (status is no longer running) and it stops; workers also hear it on
 -- agentrun_run_changed and abort an in-flight model call.
+-- A run that is rolling back (rollback_reason set) is not cancelled: stopping it would abandon
+-- its saga half undone, with nothing recorded. Its rollback runs to the end, then it ends.
 UPDATE agent_run
    SET status = 'cancelled', lease_until = NULL, finished_at = now(),
        error = coalesce(%(reason)s, 'cancelled')
  WHERE id = %(run_id)s
    AND status IN ('pending', 'running', 'waiting_approval')
+   AND rollback_reason IS NULL
 RETURNING *;
 
 -- fence_state --
@@ -196,14 +207,15 @@ SELECT min(lease_until) - now() AS wait FROM agent_run
 SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
 
 -- list_effects --
-SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, compensate
+SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, compensate,
+       attempts
   FROM tool_effect WHERE run_id = %(run_id)s AND seq = %(seq)s;
 
 -- compensations_due --
 -- Effects that declared a compensation and have not been compensated yet, newest first (a saga
 -- undoes in reverse order). A compensation step names the call it undid.
 SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.result, e.input,
-       e.compensate
+       e.compensate, e.attempts
   FROM tool_effect e
  WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state = 'done'
    AND coalesce((e.result ->> 'is_error')::boolean, false) = false
@@ -247,21 +259,41 @@ RETURNING state;
 -- not failing), so no worker holds a run nobody can advance.
 UPDATE agent_run
    SET status = 'waiting_approval', wait_reason = %(reason)s, pending_call = %(pending_call)s,
-       lease_owner = NULL, lease_until = NULL, attempt = greatest(attempt - 1, 0)
+       lease_owner = NULL, lease_until = NULL, attempt = greatest(attempt - 1, 0),
+       stalled_attempts = greatest(stalled_attempts - 1, 0)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING id;
 
 -- get_approval --
-SELECT decision, decided_by, reason, decided_at FROM approval
+-- The decision on one attempt of one call (see 0004: each decision buys one attempt).
+SELECT decision, decided_by, reason, decided_at, attempt FROM approval
  WHERE run_id = %(run_id)s AND seq = %(seq)s AND call_index = %(call_index)s
-   AND stage = %(stage)s;
+   AND stage = %(stage)s AND attempt = %(attempt)s;
 
 -- insert_approval --
-INSERT INTO approval (run_id, seq, call_index, stage, decision, decided_by, reason)
-VALUES (%(run_id)s, %(seq)s, %(call_index)s, %(stage)s, %(decision)s, %(decided_by)s, %(reason)s)
+INSERT INTO approval (run_id, seq, call_index, stage, attempt, decision, decided_by, reason)
+VALUES (%(run_id)s, %(seq)s, %(call_index)s, %(stage)s, %(attempt)s, %(decision)s,
+        %(decided_by)s, %(reason)s)
 ON CONFLICT DO NOTHING
 RETURNING decision;
+
+-- retry_intent --
+-- An approved re-run of an irreversible call whose outcome was unknown is counted, fenced, BEFORE
+-- the tool is called: a crash during it leaves the intent of the new attempt, which needs a
+-- decision of its own. It matches only the attempt that was decided (and renews the lease).
+WITH fence AS (
+    UPDATE agent_run SET lease_until = now() + make_interval(secs => %(ttl)s)
+     WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+       AND status = 'running'
+    RETURNING id
+)
+UPDATE tool_effect e
+   SET attempts = e.attempts + 1, lease_epoch = %(epoch)s, worker = %(worker)s
+  FROM fence
+ WHERE e.run_id = fence.id AND e.seq = %(seq)s AND e.call_index = %(call_index)s
+   AND e.state = 'intent' AND e.attempts = %(attempt)s
+RETURNING e.attempts;
 
 -- resume_after_decision --
 -- Only the call the run is actually waiting on can be decided; the run becomes claimable again.
