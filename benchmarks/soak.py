@@ -218,6 +218,7 @@ class _Fleet:
                     "--lease-ttl", "2",
                     "--poll-interval", "0.5",
                     "--health-port", "-1",
+                    "--control-port", "-1",
                     "--concurrency", str(self.concurrency),
                 ],
                 env=self.env,

@@ -24,6 +24,7 @@ from helmtools import helm
 from kubernetes_validate import utils as kv
 from prometheus_client.metrics_core import Metric
 
+from agentrun.config import DEFAULT_CONTROL_PORT
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.worker.health import WorkerMetrics
 
@@ -522,7 +523,9 @@ def test_worker_pods(example: list[Doc]) -> None:
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
-    assert c["lifecycle"]["preStop"] == {"httpGet": {"path": "/drain", "port": "health"}}
+    # The drain endpoint listens on the loopback interface only: the hook runs in the container.
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["agentrun", "drain-local"]}}
+    assert all(p["containerPort"] != DEFAULT_CONTROL_PORT for p in c["ports"])
     assert c["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
 
 

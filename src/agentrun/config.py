@@ -18,6 +18,14 @@ from agentrun.errors import ConfigError
 
 DATABASE_URL_ENV = "AGENTRUN_DATABASE_URL"
 
+#: The worker's loopback-only control port (/drain; AGENTRUN_CONTROL_PORT, --control-port): the
+#: worker listens on it and ``agentrun drain-local`` (the pod's preStop hook) calls it.
+CONTROL_PORT_ENV = "AGENTRUN_CONTROL_PORT"
+DEFAULT_CONTROL_PORT = 8081
+#: The worker's drain grace (AGENTRUN_DRAIN_GRACE, --drain-grace), seconds.
+DRAIN_GRACE_ENV = "AGENTRUN_DRAIN_GRACE"
+DEFAULT_DRAIN_GRACE = 25.0
+
 
 def redact_url(url: str) -> str:
     """The URL with any password replaced by ``***``, for messages and logs."""
