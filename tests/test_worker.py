@@ -17,7 +17,15 @@ import urllib.request
 from pathlib import Path
 
 from conftest import run_cli
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
+from workerkit import (
+    AGENT,
+    FakeFactory,
+    Workers,
+    echo_scenario,
+    free_port,
+    wait_for,
+    wait_run,
+)
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.store import Store
@@ -275,3 +283,13 @@ async def test_prestop_drain_releases_the_runs_and_waits_for_sigterm(
     assert w.popen.poll() is None, "a drained worker must wait for SIGTERM, not exit by itself"
     w.signal(signal.SIGTERM)
     assert w.wait(10) == 0
+
+
+def test_drain_local_without_a_worker_says_so_in_one_line() -> None:
+    port = free_port()  # nobody listens there
+    res = run_cli("drain-local", "--port", str(port), "--timeout", "5")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith(
+        f"agentrun: error: cannot reach the worker's drain endpoint http://127.0.0.1:{port}/drain"
+    ) and res.stderr.rstrip().endswith(f"--control-port {port} (AGENTRUN_CONTROL_PORT)?")
+    assert len(res.stderr.splitlines()) == 1

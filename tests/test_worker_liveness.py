@@ -11,12 +11,14 @@ import asyncio
 import ctypes
 import errno
 import os
+import re
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import pytest
@@ -264,6 +266,25 @@ def test_connect_options_come_from_the_environment_and_the_url_wins(
     monkeypatch.setenv("AGENTRUN_DB_TCP_TIMEOUT", "-1")
     with pytest.raises(Exception, match=r"AGENTRUN_DB_TCP_TIMEOUT=-1: must be >= 0"):
         ConnectOptions.from_env()
+
+
+#: Connections that are not agentrun's own: the demo's tools write to (and the demo reads) a
+#: "production" schema as a user's tool would, and the embedded server is bootstrapped once.
+NOT_OURS = {"demo_tools.py", "demo.py", "embedded.py"}
+
+
+def test_connections_are_opened_in_one_place() -> None:
+    # Every connection of the worker, the operator and the CLI gets the ConnectOptions because
+    # only agentrun.store opens any: a new psycopg.connect elsewhere would lack them.
+    root = Path(__file__).resolve().parent.parent
+    opening = re.compile(r"\b(psycopg\.connect|AsyncConnection\.connect|ConnectionPool)\(")
+    found = {
+        str(f.relative_to(root))
+        for d in ("src/agentrun", "operator", "worker")
+        for f in (root / d).glob("*.py")
+        if f.name not in NOT_OURS and opening.search(f.read_text())
+    }
+    assert found == {"src/agentrun/store.py"}
 
 
 async def test_a_worker_process_connections_have_keepalives_and_a_user_timeout(
