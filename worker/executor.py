@@ -235,18 +235,18 @@ class RunExecutor:
             started = time.perf_counter()
             turn_seq = seq
             h.in_model_call = True
-            # Progress while the call lasts (a deadline, once the call has one, bounds it).
-            with h.progress.working("model call"):
-                try:
-                    turn = await call_model(
-                        self.client,
-                        build_request(pv, messages),
-                        policy=self.retry,
-                        on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
-                        on_retry=self._count_retry,
-                    )
-                finally:
-                    h.in_model_call = False
+            h.progress.begin("model call")  # progress while it lasts (until its deadline, if any)
+            try:
+                turn = await call_model(
+                    self.client,
+                    build_request(pv, messages),
+                    policy=self.retry,
+                    on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
+                    on_retry=self._count_retry,
+                )
+            finally:
+                h.in_model_call = False
+                h.progress.end()
             self.metrics.model_seconds.observe(time.perf_counter() - started)
             self.metrics.tokens.labels("input").inc(turn.input_tokens)
             self.metrics.tokens.labels("output").inc(turn.output_tokens)

@@ -43,20 +43,27 @@ class Progress:
     def committed(self) -> None:
         self.last = time.monotonic()
 
+    def begin(self, what: str, deadline: float | None = None) -> None:
+        """A model or tool call starts: progress until ``deadline`` (a monotonic time; None: one
+        budget from now). Calls do not nest."""
+        self.activity = Activity(what, time.monotonic(), deadline)
+
+    def end(self) -> None:
+        """The call ended. It was progress while it lasted (up to its deadline): the clock starts
+        anew at its end, not at the commit before it."""
+        a, self.activity = self.activity, None
+        if a is not None:
+            now = time.monotonic()
+            self.last = max(self.last, now if a.deadline is None else min(now, a.deadline))
+
     @contextlib.contextmanager
     def working(self, what: str, deadline: float | None = None) -> Iterator[None]:
-        """Mark a model or tool call in flight: progress until ``deadline`` (a monotonic time;
-        None: one budget from now)."""
-        outer = self.activity
-        self.activity = Activity(what, time.monotonic(), deadline)
+        """:meth:`begin` and :meth:`end` around a block."""
+        self.begin(what, deadline)
         try:
             yield
         finally:
-            self.activity = outer
-            # The call was progress while it lasted (up to its deadline): the clock starts anew
-            # at its end, not at the commit before it.
-            now = time.monotonic()
-            self.last = max(self.last, now if deadline is None else min(now, deadline))
+            self.end()
 
     def idle_for(self, now: float | None = None) -> float:
         """Seconds since the run last made progress (0 inside a call within its deadline)."""
