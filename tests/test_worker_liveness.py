@@ -104,7 +104,7 @@ async def test_a_run_whose_connection_dies_silently_is_let_go_and_resumed(
         health=True,
         extra=["--concurrency", "1"],  # the stuck run's slot is the only one: nothing else runs
         # Through the environment: a worker without the setting still runs, and holds the run.
-        env={"AGENTRUN_DATABASE_URL": via(proxy, database_url), "AGENTRUN_PROGRESS_BUDGET": "3"},
+        env={"AGENTRUN_DATABASE_URL": via(proxy, database_url), "AGENTRUN_PROGRESS_BUDGET": "6"},
     )
     run, _ = await store.create_run("echo", AGENT)
     with Poller(w.health_port) as health:
