@@ -601,6 +601,7 @@ def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None
     used = set().union(*(metrics_in(e) for e in alerts.values()))
     assert used <= known, f"alerts on metrics nobody exports: {used - known}"
     assert "agentrun_lease_losses_total" in metrics_in(alerts["AgentrunLeaseLosses"])
+    assert "agentrun_runs_stalled_total" in metrics_in(alerts["AgentrunRunsStalled"])
     assert "agentrun_steps_total" in metrics_in(alerts["AgentrunNoProgress"])
     assert 'status="dead_letter"' in alerts["AgentrunDeadLetters"]
 
