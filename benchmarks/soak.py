@@ -426,6 +426,7 @@ class _Fleet:
                     "--lease-ttl", str(LEASE_TTL_S),
                     "--poll-interval", "0.5",
                     "--health-port", "-1",
+                    "--control-port", "-1",
                     "--concurrency", str(self.concurrency),
                 ],
                 env=self.env,

@@ -183,6 +183,8 @@ def spawn_worker(
                 str(concurrency),
                 "--health-port",
                 str(health_port),
+                "--control-port",
+                "-1",
                 *(extra or []),
             ],
             env={**os.environ, **env},

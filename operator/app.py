@@ -21,6 +21,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
@@ -35,7 +36,15 @@ from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.mirror import StatusMirror, Tracked
 from agentrun.operator.settings import OperatorSettings
 from agentrun.operator.status import Event, Reason, one_line
-from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, TERMINAL_STATUSES, Run, Store
+from agentrun.store import (
+    CHANNEL_RUN_CHANGED,
+    CHANNEL_RUN_READY,
+    TERMINAL_STATUSES,
+    ConnectOptions,
+    Run,
+    Store,
+    connect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +145,9 @@ class OperatorApp:
         someone has, saying what to do. On a plain connection: migrations are multi-statement
         scripts, which the pool's prepared statements cannot carry."""
         s = self.settings
-        async with await psycopg.AsyncConnection.connect(
-            s.database_url, autocommit=True, connect_timeout=int(s.db_timeout)
-        ) as conn:
+        # No statement timeout: a migration may rewrite a big table (it holds an advisory lock).
+        options = replace(ConnectOptions.from_env(), connect_timeout=s.db_timeout)
+        async with await connect(s.database_url, options=options, statement_timeout=0) as conn:
             if s.migrate:
                 result = await migrate(conn)
                 if result.applied:

@@ -24,6 +24,7 @@ from helmtools import helm
 from kubernetes_validate import utils as kv
 from prometheus_client.metrics_core import Metric
 
+from agentrun.config import DEFAULT_CONTROL_PORT
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.worker.health import WorkerMetrics
 
@@ -523,7 +524,9 @@ def test_worker_pods(example: list[Doc]) -> None:
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
-    assert c["lifecycle"]["preStop"] == {"httpGet": {"path": "/drain", "port": "health"}}
+    # The drain endpoint listens on the loopback interface only: the hook runs in the container.
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["agentrun", "drain-local"]}}
+    assert all(p["containerPort"] != DEFAULT_CONTROL_PORT for p in c["ports"])
     assert c["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
 
 
@@ -599,6 +602,7 @@ def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None
     used = set().union(*(metrics_in(e) for e in alerts.values()))
     assert used <= known, f"alerts on metrics nobody exports: {used - known}"
     assert "agentrun_lease_losses_total" in metrics_in(alerts["AgentrunLeaseLosses"])
+    assert "agentrun_runs_stalled_total" in metrics_in(alerts["AgentrunRunsStalled"])
     assert "agentrun_steps_total" in metrics_in(alerts["AgentrunNoProgress"])
     assert 'status="dead_letter"' in alerts["AgentrunDeadLetters"]
 

@@ -103,6 +103,7 @@ async def test_worker_with_a_taken_health_port_exits_2_and_claims_nothing(
     env = {
         "AGENTRUN_DATABASE_URL": database_url,
         "ANTHROPIC_API_KEY": "test",
+        "AGENTRUN_CONTROL_PORT": "-1",  # 8081 may be taken on the machine running the tests
         **({"AGENTRUN_HEALTH_PORT": str(held_port)} if how == "env" else {}),
     }
     res = run_cli(
@@ -119,6 +120,30 @@ async def test_worker_with_a_taken_health_port_exits_2_and_claims_nothing(
     assert _one_line(res) == (
         f"agentrun: error: --health-port {held_port} (AGENTRUN_HEALTH_PORT) is already in use "
         "on 0.0.0.0; free it or choose another port (-1 turns it off)"
+    )
+    after = await store.get_run(run.id)
+    assert after.status == "pending" and after.attempt == 0
+
+
+async def test_worker_with_a_taken_control_port_exits_2_and_claims_nothing(
+    database_url: str, store: Store
+) -> None:
+    # The control listener (/drain) binds the loopback interface only: held there.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        held = int(sock.getsockname()[1])
+        run, _ = await store.create_run("echo", AGENT)
+        res = run_cli(
+            "worker", "--tools", str(TOOLS_DIR / "echo_v1.py"), "--health-port", "-1",
+            "--control-port", str(held),
+            env={"AGENTRUN_DATABASE_URL": database_url, "ANTHROPIC_API_KEY": "test"},
+            timeout=EXIT_WITHIN,
+        )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert _one_line(res) == (
+        f"agentrun: error: --control-port {held} (AGENTRUN_CONTROL_PORT) is already in use "
+        "on 127.0.0.1; free it or choose another port (-1 turns it off)"
     )
     after = await store.get_run(run.id)
     assert after.status == "pending" and after.attempt == 0

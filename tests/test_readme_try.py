@@ -104,7 +104,8 @@ async def test_try_it_by_hand_runs_the_example_and_writes_production_once(
     assert "listening" in ready, ready + fake.stdout.read()
     # $ ANTHROPIC_BASE_URL=http://127.0.0.1:8765 ANTHROPIC_API_KEY=x \
     #     agentrun worker --tools agentrun.demo_tools &
-    # (its health port off: 8080 may be taken on the machine running the tests)
+    # (its health and control ports off: 8080 and 8081 may be taken on the machine running the
+    # tests)
     log = tmp_path / "worker.log"
     worker = _start(
         procs,
@@ -114,6 +115,7 @@ async def test_try_it_by_hand_runs_the_example_and_writes_production_once(
             "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
             "ANTHROPIC_API_KEY": "x",
             "AGENTRUN_HEALTH_PORT": "-1",
+            "AGENTRUN_CONTROL_PORT": "-1",
         },
         log,
     )

@@ -9,14 +9,23 @@ the model saw by one field fails with the real 400.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from pathlib import Path
 
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
+from conftest import run_cli
+from workerkit import (
+    AGENT,
+    FakeFactory,
+    Workers,
+    echo_scenario,
+    free_port,
+    wait_for,
+    wait_run,
+)
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.store import Store
@@ -225,12 +234,24 @@ async def test_unknown_tool_fails_the_run_with_a_message_naming_it(
     assert srv.requests() == []  # nothing was sent to the model
 
 
+def listening_on(port: int | None) -> set[str]:
+    """The IPv4 addresses a socket listens on at ``port`` (from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        ip, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(socket.inet_ntoa(bytes.fromhex(ip)[::-1]))
+    return found
+
+
 async def test_prestop_drain_releases_the_runs_and_waits_for_sigterm(
     store: Store, workers: Workers, fake: FakeFactory
 ) -> None:
-    # The Helm chart's preStop hook is GET /drain: it must hand the run back and answer only
-    # once nothing is held, then the worker must stay up (not crash-exit) until SIGTERM, and that
-    # SIGTERM must be a clean exit, not the "second signal exits at once".
+    # The Helm chart's preStop hook is `agentrun drain-local`, run inside the container: it must
+    # hand the run back and return only once nothing is held, then the worker must stay up (not
+    # crash-exit) until SIGTERM, and that SIGTERM must be a clean exit, not the "second signal
+    # exits at once". /drain is not on the health port, which metrics scrapers can reach.
     srv = fake(echo_scenario(3, slow={0: 200}, long_text={0: 20}))
     use(workers, srv)
     run, _ = await store.create_run("echo", AGENT)
@@ -238,19 +259,37 @@ async def test_prestop_drain_releases_the_runs_and_waits_for_sigterm(
     await wait_run(store, run.id, lambda r: r.lease_owner == "w", 20)
     await wait_for(lambda: any(e.get("turn") == 0 for e in srv.requests()), 10, "model call")
 
-    def get(path: str) -> tuple[int, dict[str, Any]]:
+    def call(port: int | None, path: str, method: str = "GET") -> tuple[int, str]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{w.health_port}{path}", timeout=30) as r:
-                return r.status, json.loads(r.read())
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, e.read().decode()
 
-    status, body = await asyncio.to_thread(get, "/drain")
-    assert (status, body) == (200, {"drained": True, "released": 1})
+    assert listening_on(w.control_port) == {"127.0.0.1"}  # only the pod itself can reach it
+    assert listening_on(w.health_port) == {"0.0.0.0"}
+    for method in ("GET", "POST"):
+        status, _ = await asyncio.to_thread(call, w.health_port, "/drain", method)
+        assert status in (404, 405), f"{method} /drain on the health port answered {status}"
+    assert (await store.get_run(run.id)).lease_owner == "w"  # nothing was drained by those
+
+    res = await asyncio.to_thread(run_cli, "drain-local", "--port", str(w.control_port))
+    assert (res.returncode, res.stdout.strip()) == (0, "drained: 1 run(s) handed back"), res
     released = await store.get_run(run.id)
     assert released.lease_owner is None and released.status == "pending"
-    assert (await asyncio.to_thread(get, "/readyz"))[0] == 503
+    assert (await asyncio.to_thread(call, w.health_port, "/readyz"))[0] == 503
     await asyncio.sleep(1.0)
     assert w.popen.poll() is None, "a drained worker must wait for SIGTERM, not exit by itself"
     w.signal(signal.SIGTERM)
     assert w.wait(10) == 0
+
+
+def test_drain_local_without_a_worker_says_so_in_one_line() -> None:
+    port = free_port()  # nobody listens there
+    res = run_cli("drain-local", "--port", str(port), "--timeout", "5")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith(
+        f"agentrun: error: cannot reach the worker's drain endpoint http://127.0.0.1:{port}/drain"
+    ) and res.stderr.rstrip().endswith(f"--control-port {port} (AGENTRUN_CONTROL_PORT)?")
+    assert len(res.stderr.splitlines()) == 1

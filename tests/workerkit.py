@@ -91,6 +91,7 @@ class WorkerProc:
     popen: subprocess.Popen[bytes]
     log: Path
     health_port: int | None
+    control_port: int | None = None  # the loopback-only /drain (agentrun drain-local --port)
 
     def signal(self, sig: signal.Signals) -> None:
         if self.popen.poll() is None:
@@ -131,6 +132,7 @@ class Workers:
         env: dict[str, str] | None = None,
     ) -> WorkerProc:
         port = free_port() if health else None
+        control = free_port() if health else None  # never the default: tests run side by side
         cmd = [
             sys.executable,
             "-m",
@@ -146,6 +148,8 @@ class Workers:
             str(poll),
             "--health-port",
             str(port if port else -1),
+            "--control-port",
+            str(control if control else -1),
             "--log-format",
             "json",
             *(extra or []),
@@ -162,7 +166,7 @@ class Workers:
                 stderr=subprocess.STDOUT,
                 cwd=tempfile.gettempdir(),
             )
-        proc = WorkerProc(name, popen, log, port)
+        proc = WorkerProc(name, popen, log, port, control)
         self.procs.append(proc)
         return proc
 

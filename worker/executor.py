@@ -37,6 +37,7 @@ from agentrun.tools import (
     make_context,
 )
 from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.liveness import Progress
 from agentrun.worker.model_call import RetryPolicy, build_request, call_model
 
 log = logging.getLogger("agentrun.worker.run")
@@ -66,10 +67,12 @@ class RunHandle:
     run: Run
     lease: Lease
     task: asyncio.Task[None] | None = None
-    abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain"
+    abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain" | "stalled"
     in_model_call: bool = False
     rollback_requested: bool = False  # set by the listener; acted on at the next boundary
     last_renewed: float = field(default_factory=time.monotonic)
+    #: What the heartbeat renews by (worker/liveness.py): commits, and calls within deadline.
+    progress: Progress = field(default_factory=Progress)
 
     @property
     def run_id(self) -> str:
@@ -152,6 +155,7 @@ class RunExecutor:
 
     def _committed(self, h: RunHandle) -> None:
         h.last_renewed = time.monotonic()  # every fenced write renews the lease
+        h.progress.committed()
         self.health.progress()
 
     async def _append(
@@ -231,6 +235,9 @@ class RunExecutor:
             started = time.perf_counter()
             turn_seq = seq
             h.in_model_call = True
+            # Progress while it lasts: every try ends by its deadline, so the whole call is
+            # bounded (retries and backoffs included) and never looks like a stall within it.
+            h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
             try:
                 turn = await call_model(
                     self.client,
@@ -241,6 +248,7 @@ class RunExecutor:
                 )
             finally:
                 h.in_model_call = False
+                h.progress.end()
             self.metrics.model_seconds.observe(time.perf_counter() - started)
             self.metrics.tokens.labels("input").inc(turn.input_tokens)
             self.metrics.tokens.labels("output").inc(turn.output_tokens)
@@ -302,7 +310,8 @@ class RunExecutor:
                 compensates_key=effect.idempotency_key,
             )
             try:
-                outcome = await spec.invoke(ctx, effect.input)
+                with h.progress.working(f"tool {effect.compensate}"):
+                    outcome = await spec.invoke(ctx, effect.input)
             except Exception as exc:
                 raise CompensationFailed(
                     f"{effect.compensate} for {effect.tool} (step {effect.seq}) raised "
@@ -394,7 +403,8 @@ class RunExecutor:
                 await self.store.retry_intent(h.lease, turn_seq, index, effect.attempts)
                 self._committed(h)
             crash_point("after_intent_commit", turn_seq)
-        outcome = await self._invoke(h, spec, turn_seq, index, name, args)
+        with h.progress.working(f"tool {name}"):
+            outcome = await self._invoke(h, spec, turn_seq, index, name, args)
         crash_point("after_tool_return", turn_seq)
         if recorded:
             await record("done", outcome)

@@ -1,10 +1,19 @@
-"""Health and metrics endpoints: /healthz, /readyz, /metrics.
+"""Health and metrics endpoints: /healthz, /readyz, /metrics on the health port; /drain on the
+control port, which listens on the loopback interface only.
 
-Liveness is progress, not process existence (invariant 8). The loop stamps :meth:`Health.progress`
-on every claim poll, lease renewal and step commit; /healthz fails once no stamp is newer than the
-threshold, so a worker wedged by a database outage (the seed's nine-hour incident: the process kept
-breathing while nothing moved) is restarted by Kubernetes. It turns healthy again by itself when
-PostgreSQL comes back and the next poll succeeds.
+Liveness is progress, not process existence (invariant 8), on two clocks:
+
+* the loop's: it stamps :meth:`Health.progress` on every claim poll, lease renewal and step commit;
+  /healthz fails once no stamp is newer than the liveness threshold, so a worker wedged by a
+  database outage (the seed's nine-hour incident: the process kept breathing while nothing moved)
+  is restarted by Kubernetes. It turns healthy again by itself when PostgreSQL comes back;
+* the held runs' (worker/liveness.py): /healthz also fails while the worker holds runs and none of
+  them progressed within the progress budget (every task wedged, e.g. on connections that died
+  without a RST), however busy the heartbeats are.
+
+/drain stops the worker, so it is not on the health port, which anything that may scrape
+metrics can reach: it is on a control listener bound to 127.0.0.1, which only the pod's own
+preStop hook (``agentrun drain-local``, run inside the container) can call.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 
 class WorkerMetrics:
@@ -68,6 +79,12 @@ class WorkerMetrics:
             "alert on any: a prompt injection or a misconfigured agent",
             registry=r,
         )
+        self.runs_stalled = Counter(
+            "agentrun_runs_stalled",
+            "Held runs let go (abandoned, lease no longer renewed) because they made no progress "
+            "within the progress budget",
+            registry=r,
+        )
         self.last_progress = Gauge(
             "agentrun_last_progress_timestamp_seconds",
             "Unix time of the last claim poll, lease renewal or commit",
@@ -75,10 +92,17 @@ class WorkerMetrics:
         )
 
 
+def _no_runs() -> list[float]:
+    return []
+
+
 @dataclass
 class Health:
     liveness_threshold: float
     metrics: WorkerMetrics
+    progress_budget: float = DEFAULT_PROGRESS_BUDGET
+    #: Seconds since each held run last progressed (set by the worker).
+    held_runs_idle: Callable[[], list[float]] = _no_runs
     last_progress: float = field(default_factory=time.monotonic)
     ready: bool = False
     draining: bool = False
@@ -92,8 +116,13 @@ class Health:
     def stalled_for(self) -> float:
         return time.monotonic() - self.last_progress
 
+    def runs_stalled(self) -> bool:
+        """The worker holds runs and none of them progressed within the budget."""
+        idle = self.held_runs_idle()
+        return bool(idle) and min(idle) > self.progress_budget
+
     def alive(self) -> bool:
-        return self.stalled_for() < self.liveness_threshold
+        return self.stalled_for() < self.liveness_threshold and not self.runs_stalled()
 
 
 def make_app(health: Health) -> web.Application:
@@ -101,9 +130,22 @@ def make_app(health: Health) -> web.Application:
         stalled = health.stalled_for()
         if health.alive():
             return web.json_response({"status": "ok", "last_progress_s": round(stalled, 3)})
+        idle = health.held_runs_idle()
+        if health.runs_stalled():
+            return web.json_response(
+                {
+                    "status": "stalled",
+                    "reason": "no held run progressed within the progress budget",
+                    "held_runs": len(idle),
+                    "least_idle_run_s": round(min(idle), 3),
+                    "progress_budget_s": health.progress_budget,
+                },
+                status=503,
+            )
         return web.json_response(
             {
                 "status": "stalled",
+                "reason": "no claim poll, lease renewal or commit within the liveness threshold",
                 "last_progress_s": round(stalled, 3),
                 "threshold_s": health.liveness_threshold,
             },
@@ -120,19 +162,24 @@ def make_app(health: Health) -> web.Application:
         body = generate_latest(health.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def make_control_app(health: Health) -> web.Application:
+    """The loopback-only control listener: POST /drain (``agentrun drain-local``)."""
+
     async def drain(_: web.Request) -> web.Response:
         # The pod's preStop hook: stop claiming, hand the runs back, answer once drained, so
-        # Kubernetes sends SIGTERM to a worker that holds nothing. GET because preStop httpGet
-        # can only GET; it is idempotent.
+        # Kubernetes sends SIGTERM to a worker that holds nothing. Idempotent.
         if health.drain is None:
             return web.json_response({"error": "drain not available"}, status=404)
         released = await health.drain()
         return web.json_response({"drained": True, "released": released})
 
     app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/drain", drain)
     app.router.add_post("/drain", drain)
     return app

@@ -80,8 +80,19 @@ class RetryPolicy:
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
-            return min(retry_after, 300.0) + random.uniform(0, 0.1 * max(retry_after, 0.1))
+            return min(retry_after, MAX_RETRY_AFTER) + random.uniform(
+                0, 0.1 * max(min(retry_after, MAX_RETRY_AFTER), 0.1))
         return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+
+    def bound(self) -> float:
+        """The longest one :func:`call_model` can take, retries and backoffs included: every
+        try ends by its deadline, so the liveness clock (worker/liveness.py) can count the whole
+        call as progress up to here and no further."""
+        backoff = max(self.max_delay, MAX_RETRY_AFTER * 1.1)
+        return (self.max_retries + 1) * self.deadline + self.max_retries * backoff
+
+
+MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
 
 
 TRANSIENT_STATUS = {408, 409, 429}

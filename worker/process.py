@@ -3,11 +3,15 @@
 Beside the main claim loop run three kinds of side tasks (procrastinate's shape):
 
 * one listener on LISTEN/NOTIFY: a cancel of a held run aborts its task at once (an in-flight
-  model call included), a newly claimable run wakes the claim loop; it reconnects by itself;
+  model call included), a newly claimable run wakes the claim loop; it reconnects by itself. The
+  worker is ready, and makes its first claim, only once LISTEN is in place (and claims once more
+  after every reconnection), so no run waits a poll interval for want of a notification;
 * one heartbeat per held run: renews the lease when no commit did for a third of the TTL, so a
-  long model call or tool never lets the lease lapse; a renewal that finds the lease gone aborts
-  the run;
-* the health server (/healthz, /readyz, /metrics).
+  long model call or tool never lets the lease lapse, but only while the run makes progress
+  (worker/liveness.py): a stalled run is abandoned with an error saying why and its task is
+  stopped, never held; a renewal that finds the lease gone aborts the run;
+* the health server (/healthz, /readyz, /metrics) and, on 127.0.0.1 only, the control listener
+  (/drain, for the pod's preStop hook).
 
 SIGTERM drains: claiming stops, in-flight model calls are aborted at once (a half-streamed turn
 has no side effects, and the next worker should not wait for it), tools run on to their commit,
@@ -36,16 +40,21 @@ import psycopg
 from aiohttp import web
 from psycopg_pool import PoolTimeout
 
+from agentrun.config import DEFAULT_MODEL_DEADLINE
 from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.manifests import pool_problem
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
 from agentrun.tools import ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
-from agentrun.worker.health import Health, WorkerMetrics, make_app
+from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
+from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
 
 log = logging.getLogger("agentrun.worker")
+
+#: Where the control listener (/drain) binds: only the pod itself can reach it.
+CONTROL_HOST = "127.0.0.1"
 
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 
@@ -65,8 +74,13 @@ class WorkerSettings:
     poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
     drain_grace: float = 25.0  # under Kubernetes' default terminationGracePeriodSeconds of 30
     liveness_threshold: float = 60.0
+    progress_budget: float = DEFAULT_PROGRESS_BUDGET  # see worker/liveness.py
     health_host: str = "0.0.0.0"
     health_port: int | None = 8080  # None: no health server; 0: any free port
+    # Loopback only, whatever the health host: /drain stops the worker.
+    # None (in-process workers, tests): no control listener; `agentrun worker` passes
+    # --control-port, default DEFAULT_CONTROL_PORT. 0: any free port.
+    control_port: int | None = None
     worker_id: str = field(default_factory=default_worker_id)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
@@ -100,6 +114,13 @@ def check_settings(s: WorkerSettings) -> None:
         raise bad("--health-port", s.health_port, "choose 1-65535, 0 for any, -1 to turn it off")
     if s.retry.max_retries < 0:
         raise bad("--model-retries", s.retry.max_retries, "must be 0 or more (default 8)")
+    if not (finite(s.retry.deadline) and s.retry.deadline > 0):
+        raise bad("--model-deadline", s.retry.deadline,
+                  f"must be more than 0 (seconds one model call may take; default "
+                  f"{DEFAULT_MODEL_DEADLINE:g})")
+    if not (finite(s.progress_budget) and s.progress_budget > 0):
+        raise bad("--progress-budget", s.progress_budget,
+                  f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")
 
 
 class Worker:
@@ -114,7 +135,12 @@ class Worker:
         self.store = store
         self.settings = settings
         self.metrics = WorkerMetrics()
-        self.health = Health(settings.liveness_threshold, self.metrics)
+        self.health = Health(
+            settings.liveness_threshold,
+            self.metrics,
+            progress_budget=settings.progress_budget,
+            held_runs_idle=self._held_runs_idle,
+        )
         self.health.drain = self.drain_and_wait
         self.executor = RunExecutor(
             store,
@@ -132,7 +158,10 @@ class Worker:
         self._drained = asyncio.Event()
         self._signalled = asyncio.Event()
         self._drain_requested_over_http = False
+        self._listening = asyncio.Event()
+        self._draining = asyncio.Event()
         self.health_port: int | None = None
+        self.control_port: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -145,9 +174,10 @@ class Worker:
             s.concurrency,
             s.lease_ttl,
         )
-        runner = await self._start_health()
+        runners = await self._start_servers()
         listener = asyncio.create_task(self._listen(), name="listener")
         try:
+            await self._until_listening()
             self.health.ready = True
             await self._claim_loop()
             await self._drain()
@@ -163,7 +193,7 @@ class Worker:
             # not reproduced since; kill -USR1 dumps the stacks if it ever recurs).
             listener.cancel()
             await asyncio.wait({listener}, timeout=5)
-            if runner is not None:
+            for runner in runners:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(runner.cleanup(), 5)
         log.info("worker %s stopped", s.worker_id)
@@ -182,8 +212,25 @@ class Worker:
         log.info("%s: draining %d run(s)", sig.name, len(self.active))
         self.request_drain()
 
+    async def _until_listening(self) -> None:
+        """Ready, and the first claim, only once LISTEN is open: a run created from then on
+        wakes the loop, one created before is found by that first claim. (Ready before it, a run
+        created in between waited a whole poll interval.) A drain ends the wait."""
+        if self._listening.is_set():
+            return
+        waits = {
+            asyncio.create_task(self._listening.wait()),
+            asyncio.create_task(self._draining.wait()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waits:
+                t.cancel()
+
     def request_drain(self) -> None:
         self.draining = True
+        self._draining.set()
         self.health.draining = True
         self._wake.set()
         for h in self.active.values():
@@ -213,11 +260,34 @@ class Worker:
                     h.abort("drain")
                 await asyncio.wait(pending, timeout=5)
 
-    async def _start_health(self) -> web.AppRunner | None:
-        if self.settings.health_port is None:
-            return None
-        host, port = self.settings.health_host, self.settings.health_port
-        runner = web.AppRunner(make_app(self.health), access_log=None)
+    async def _start_servers(self) -> list[web.AppRunner]:
+        s = self.settings
+        runners: list[web.AppRunner] = []
+        try:
+            if s.health_port is not None:
+                runner, self.health_port = await self._serve(
+                    make_app(self.health), s.health_host, s.health_port,
+                    "--health-port", "AGENTRUN_HEALTH_PORT",
+                )
+                runners.append(runner)
+                log.info("health and metrics on :%s", self.health_port)
+            if s.control_port is not None:
+                runner, self.control_port = await self._serve(
+                    make_control_app(self.health), CONTROL_HOST, s.control_port,
+                    "--control-port", "AGENTRUN_CONTROL_PORT",
+                )
+                runners.append(runner)
+                log.info("drain endpoint on %s:%s", CONTROL_HOST, self.control_port)
+        except BaseException:
+            for r in runners:
+                await r.cleanup()
+            raise
+        return runners
+
+    async def _serve(
+        self, app: web.Application, host: str, port: int, option: str, env: str
+    ) -> tuple[web.AppRunner, int]:
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         try:
@@ -229,14 +299,14 @@ class Worker:
             await runner.cleanup()
             reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
             raise ConfigError(
-                f"--health-port {port} (AGENTRUN_HEALTH_PORT): cannot listen on {host} "
+                f"{option} {port} ({env}): cannot listen on {host} "
                 f"({reason}); free it or choose another port (-1 turns it off)"
             ) from None
+        bound = port
         server = site._server
         if server is not None and getattr(server, "sockets", None):
-            self.health_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        log.info("health and metrics on :%s", self.health_port)
-        return runner
+            bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return runner, bound
 
     # -- claiming ------------------------------------------------------------------------------
 
@@ -333,6 +403,8 @@ class Worker:
     async def _aborted(self, h: RunHandle) -> None:
         if h.abort_reason == "drain":
             await self._release(h)
+        elif h.abort_reason == "stalled":
+            log.info("stalled run's task stopped")  # the heartbeat abandoned it already
         elif h.abort_reason == "cancelled":
             log.info("run cancelled; in-flight work aborted")
         else:
@@ -361,21 +433,38 @@ class Worker:
 
     # -- side tasks ----------------------------------------------------------------------------
 
+    def _held_runs_idle(self) -> list[float]:
+        now = time.monotonic()
+        return [h.progress.idle_for(now) for h in self.active.values()]
+
     async def _heartbeat(self, h: RunHandle) -> None:
         current_run_id.set(h.run_id)
-        interval = self.settings.lease_ttl / 3
+        s = self.settings
+        interval = s.lease_ttl / 3
         while True:
             await asyncio.sleep(max(0.05, h.last_renewed + interval - time.monotonic()))
             if time.monotonic() - h.last_renewed < interval:
                 continue
+            # A lease is renewed for a run that moves, not for a process that breathes: a run
+            # whose task is wedged (a connection that died without a RST) must not be held.
+            stalled = h.progress.stalled(s.progress_budget, h.task)
+            if stalled is not None:
+                await self._let_go(h, stalled)
+                return
             try:
-                await self.store.renew(h.lease, ttl=self.settings.lease_ttl)
+                # A renewal slower than the TTL is worthless (the lease ran out meanwhile), and
+                # on a silently dead connection it would never return.
+                async with asyncio.timeout(s.lease_ttl):
+                    await self.store.renew(h.lease, ttl=s.lease_ttl)
             except RunCancelled:
                 h.abort("cancelled")
                 return
             except LeaseLost:
                 h.abort("lease lost")
                 return
+            except TimeoutError:
+                log.warning("lease renewal got no answer within %gs", s.lease_ttl)
+                continue
             except DB_ERRORS as exc:
                 log.warning("lease renewal failed: %s", " ".join(str(exc).split())[:200])
                 await asyncio.sleep(1)
@@ -383,11 +472,33 @@ class Worker:
             h.last_renewed = time.monotonic()
             self.health.progress()
 
+    async def _let_go(self, h: RunHandle, why: str) -> None:
+        """A stalled run is not held: no more renewals; abandon it (the attempt stays spent, so a
+        run that wedges every time reaches the dead letter) with an error saying why, then stop
+        its task. Abandoned first: a task stuck on a dead connection may take seconds to stop."""
+        self.metrics.runs_stalled.inc()
+        log.error("%s; abandoning the run (its lease is no longer renewed)", why)
+        error = f"stalled on worker {self.settings.worker_id}: {why}"
+        try:
+            async with asyncio.timeout(self.settings.lease_ttl):
+                await self._quietly(self.store.abandon(h.lease, error))
+        except TimeoutError:
+            log.warning("could not record the stall in time; the lease runs out by itself")
+        h.abort("stalled")
+
+    def _on_listening(self) -> None:
+        if not self._listening.is_set():
+            log.info("listening for notifications")
+        self._listening.set()
+        self._wake.set()  # claim once now: a run may have become claimable while not listening
+
     async def _listen(self) -> None:
         backoff = 0.5
         while True:
             try:
-                listening = self.store.listen([CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY])
+                listening = self.store.listen(
+                    [CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY], on_listening=self._on_listening
+                )
                 reconnected = True
                 async for n in listening:
                     if reconnected:
@@ -408,7 +519,6 @@ class Worker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
             await self._recheck_held_runs()
-            self._wake.set()  # notifications may have been missed
 
     def _on_run_changed(self, event: dict[str, object]) -> None:
         rid = UUID(str(event["id"]))

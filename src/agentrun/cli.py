@@ -31,8 +31,12 @@ if TYPE_CHECKING:
 from agentrun import __version__
 from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
 from agentrun.config import (
+    CONTROL_PORT_ENV,
     DATABASE_URL_ENV,
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DRAIN_GRACE,
     DEFAULT_MODEL_DEADLINE,
+    DRAIN_GRACE_ENV,
     env_float,
     env_int,
     redact_message,
@@ -43,8 +47,9 @@ from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
-from agentrun.store import Store, check_connect
+from agentrun.store import Store, check_connect, connect
 from agentrun.tools import default_registry, load_tool_modules
+from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 # -- commands ------------------------------------------------------------------------------------
 
@@ -52,7 +57,8 @@ from agentrun.tools import default_registry, load_tool_modules
 async def cmd_migrate(args: argparse.Namespace) -> int:
     url = database_url()
     await check_connect(url)
-    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    # No statement timeout: a migration may rewrite a big table (it holds an advisory lock).
+    conn = await connect(url, statement_timeout=0)
     try:
         before = await schema_version(conn)
         result = await migrate(conn)
@@ -182,7 +188,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 async def ensure_schema(url: str, *, auto: bool) -> None:
     """Migrate when ``auto`` (the embedded database: no set-up), else insist it is current."""
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+    async with await connect(url, statement_timeout=0 if auto else None) as conn:
         if auto:
             await migrate(conn)
             return
@@ -281,6 +287,7 @@ def make_client() -> anthropic.AsyncAnthropic:
 async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.model_call import RetryPolicy
     from agentrun.worker.process import (
+        CONTROL_HOST,
         Worker,
         WorkerSettings,
         check_settings,
@@ -290,13 +297,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if not args.model_deadline > 0:  # NaN too: every call would expire at once, or never
-        raise ConfigError(
-            f"--model-deadline (AGENTRUN_MODEL_DEADLINE) is {args.model_deadline:g}; "
-            f"give the seconds one model call may take, more than 0 "
-            f"(default {DEFAULT_MODEL_DEADLINE:g})"
-        )
     health_port = None if args.health_port < 0 else args.health_port
+    control_port = None if args.control_port < 0 else args.control_port
     settings = WorkerSettings(
         pool=args.pool,
         concurrency=args.concurrency,
@@ -304,7 +306,9 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         drain_grace=args.drain_grace,
         liveness_threshold=args.liveness_threshold,
+        progress_budget=args.progress_budget,
         health_port=health_port,
+        control_port=control_port,
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
     )
@@ -312,6 +316,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     # nothing midway.
     check_settings(settings)
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
+    check_ports([("--control-port", CONTROL_PORT_ENV, control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
     client = make_client()
     url = database_url()
@@ -329,6 +334,43 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client.close(), 5)
     return 0
+
+
+async def cmd_drain_local(args: argparse.Namespace) -> int:
+    """The worker pod's preStop hook, run inside the container: ask this pod's worker to drain
+    over its loopback-only control port and wait for the answer (sent once no run is held)."""
+    from agentrun.worker.process import CONTROL_HOST
+
+    url = f"http://{CONTROL_HOST}:{args.port}/drain"
+    try:
+        status, body = await asyncio.to_thread(_post, url, args.timeout)
+    except TimeoutError:
+        raise AgentrunError(
+            f"{url}: no answer within {args.timeout:g}s (--timeout); the worker is still "
+            "draining or is stuck"
+        ) from None
+    except OSError as exc:
+        reason = getattr(exc, "reason", exc)
+        raise AgentrunError(
+            f"cannot reach the worker's drain endpoint {url} ({reason}); is a worker running "
+            f"here with --control-port {args.port} ({CONTROL_PORT_ENV})?"
+        ) from None
+    if status != 200:
+        raise AgentrunError(f"{url} answered {status}: {body}")
+    print(f"drained: {json.loads(body).get('released', 0)} run(s) handed back")
+    return 0
+
+
+def _post(url: str, timeout: float) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
 
 
 async def cmd_operator(args: argparse.Namespace) -> int:
@@ -465,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--lease-ttl", type=float, default=env_float("AGENTRUN_LEASE_TTL", 15))
     s.add_argument("--poll-interval", type=float, default=env_float("AGENTRUN_POLL_INTERVAL", 5))
-    s.add_argument("--drain-grace", type=float, default=env_float("AGENTRUN_DRAIN_GRACE", 25))
+    s.add_argument(
+        "--drain-grace", type=float, default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE)
+    )
     s.add_argument(
         "--liveness-threshold",
         type=float,
@@ -473,10 +517,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="/healthz fails after this many seconds without progress",
     )
     s.add_argument(
+        "--progress-budget",
+        type=float,
+        default=env_float("AGENTRUN_PROGRESS_BUDGET", DEFAULT_PROGRESS_BUDGET),
+        help="seconds a held run may go without a commit outside a model or tool call within "
+        "its deadline; then its lease is no longer renewed and it is abandoned",
+    )
+    s.add_argument(
         "--health-port",
         type=int,
         default=env_int("AGENTRUN_HEALTH_PORT", 8080),
         help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
+    )
+    s.add_argument(
+        "--control-port",
+        type=int,
+        default=env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT),
+        help="loopback-only port of POST /drain, for agentrun drain-local (-1: off)",
     )
     s.add_argument("--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8))
     s.add_argument(
@@ -489,6 +546,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser(
+        "drain-local",
+        help="drain the worker running in this container (the pod's preStop hook): it stops "
+        "claiming and hands its runs back; returns once it holds none",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT),
+        help=f"the worker's --control-port (default: ${CONTROL_PORT_ENV}, else "
+        f"{DEFAULT_CONTROL_PORT})",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        # The drain takes up to the worker's grace, then aborts what is left: a margin on top.
+        default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE) + 15,
+        help="seconds to wait for the drain's answer (default: the drain grace + 15)",
+    )
+    s.set_defaults(func=cmd_drain_local)
 
     s = sub.add_parser("operator", help="the Kubernetes operator (kopf)")
     s.add_argument(

@@ -140,6 +140,14 @@ def _mask(text: str, spans: list[tuple[int, int]], mask: str) -> str:
         at = end
     return "".join(out) + text[at:]
 
+#: The worker's loopback-only control port (/drain; AGENTRUN_CONTROL_PORT, --control-port): the
+#: worker listens on it and ``agentrun drain-local`` (the pod's preStop hook) calls it.
+CONTROL_PORT_ENV = "AGENTRUN_CONTROL_PORT"
+DEFAULT_CONTROL_PORT = 8081
+#: The worker's drain grace (AGENTRUN_DRAIN_GRACE, --drain-grace), seconds.
+DRAIN_GRACE_ENV = "AGENTRUN_DRAIN_GRACE"
+DEFAULT_DRAIN_GRACE = 25.0
+
 
 def redact_url(url: str) -> str:
     """The URL or keyword/value connection string with its password replaced by ``***``, for

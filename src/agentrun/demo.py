@@ -27,7 +27,7 @@ from agentrun.demo_tools import SCHEMA, setup_production
 from agentrun.fake_anthropic import FakeAnthropicServer, builtin_scenario_path
 from agentrun.manifests import AgentSpec, ThinkingSpec
 from agentrun.migrations import migrate
-from agentrun.store import Run, Store
+from agentrun.store import Run, Store, connect
 
 TASK = "Add a region column to orders and backfill it."
 KILL_AT_TURN = 6  # 0-based: the model call of step 7
@@ -55,6 +55,8 @@ def _spawn(label: str, env: dict[str, str], logdir: Path) -> Proc:
         "--poll-interval",
         "1",
         "--health-port",
+        "-1",
+        "--control-port",
         "-1",
         "--concurrency",
         "1",
@@ -96,7 +98,7 @@ async def run_demo(model: str | None = None) -> int:
 
     started = time.monotonic()
     url = database_url()
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+    async with await connect(url, statement_timeout=0) as conn:
         await migrate(conn)
     setup_production(url)
     real_api = model is not None and bool(os.environ.get("ANTHROPIC_API_KEY"))

@@ -9,6 +9,14 @@ was cancelled) therefore cannot write, whatever it believes: it gets :class:`Lea
 The SQL lives in ``agentrun/sql/queries.sql``; this module only binds parameters and turns rows
 into typed objects. Every connection is in autocommit mode: the hot-path writes (append, renew,
 claim) are each one statement, so one round trip and one transaction.
+
+Every connection agentrun opens to its database (the pool, the LISTEN connection, the one-off ones
+of the CLI, the worker's start-up and the operator's migrations) goes through :func:`connect` or
+:meth:`Store.open`, which add the same :class:`ConnectOptions`: TCP keepalives and
+``tcp_user_timeout``, so a connection whose peer vanished without a RST or FIN (a dead node, a
+dropped NAT entry) fails within seconds instead of the kernel's ~15 minutes of retransmissions,
+and ``statement_timeout`` / ``idle_in_transaction_session_timeout``, so no statement or forgotten
+transaction holds locks for ever.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import logging
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, Self, overload
 from uuid import UUID
@@ -28,6 +36,7 @@ import psycopg
 from psycopg import sql
 from psycopg.abc import Buffer
 from psycopg.adapt import AdaptersMap
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import class_row, dict_row
 from psycopg.types.json import Json, Jsonb, set_json_dumps, set_json_loads
 from psycopg.types.string import (
@@ -39,7 +48,7 @@ from psycopg.types.string import (
 )
 from psycopg_pool import AsyncConnectionPool
 
-from agentrun.config import redact_message, redact_url
+from agentrun.config import env_float, redact_message, redact_url
 from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -69,6 +78,84 @@ MAX_EXTERNAL_KEY = 1024
 #: Default lease TTL in seconds. Short, so a dead worker's run waits at most this long; workers
 #: renew with every commit and from a heartbeat at a third of the TTL.
 DEFAULT_LEASE_TTL = 15.0
+
+
+#: The environment variables of :class:`ConnectOptions` (docs/worker.md, "Database connections").
+TCP_TIMEOUT_ENV = "AGENTRUN_DB_TCP_TIMEOUT"
+STATEMENT_TIMEOUT_ENV = "AGENTRUN_DB_STATEMENT_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """What every agentrun connection to PostgreSQL is opened with (read from the environment
+    once, by :meth:`from_env`; a value in the database URL itself wins over these).
+
+    ``tcp_timeout``: a connection whose peer is gone is closed after this long, idle or busy:
+    keepalive probes start after a third of it and are sent every sixth (4 unanswered probes end
+    it), and ``tcp_user_timeout`` ends it when sent data stays unacknowledged that long.
+    ``statement_timeout``: the server cancels any statement (and ends any session idle inside a
+    transaction) that takes longer. 0 turns either off. ``connect_timeout``: a new connection
+    that gets no answer (a black-holed address) fails after this long.
+    """
+
+    tcp_timeout: float = 30.0
+    statement_timeout: float = 30.0
+    connect_timeout: float = 10.0
+
+    @classmethod
+    def from_env(cls) -> ConnectOptions:
+        opts = cls(
+            tcp_timeout=env_float(TCP_TIMEOUT_ENV, cls.tcp_timeout),
+            statement_timeout=env_float(STATEMENT_TIMEOUT_ENV, cls.statement_timeout),
+        )
+        for env, value in ((TCP_TIMEOUT_ENV, opts.tcp_timeout),
+                           (STATEMENT_TIMEOUT_ENV, opts.statement_timeout)):
+            if value < 0:
+                raise ConfigError(f"{env}={value:g}: must be >= 0 seconds (0 turns it off)")
+        return opts
+
+    def libpq(self, url: str, *, statement_timeout: float | None = None) -> dict[str, Any]:
+        """The libpq parameters to add to ``url`` (only those it does not set itself).
+        ``statement_timeout`` overrides the configured one (0: none, for migrations)."""
+        given = conninfo_to_dict(url)
+        params: dict[str, Any] = {"connect_timeout": max(1, round(self.connect_timeout))}
+        if self.tcp_timeout > 0:
+            t = self.tcp_timeout
+            params.update(
+                keepalives=1,
+                keepalives_idle=max(1, round(t / 3)),
+                keepalives_interval=max(1, round(t / 6)),
+                keepalives_count=4,
+                tcp_user_timeout=max(1, round(t * 1000)),
+            )
+        params = {k: v for k, v in params.items() if k not in given}
+        if self.statement_timeout == 0:
+            # Nothing to send: PgBouncer refuses the `options` startup parameter unless told to
+            # ignore it, so behind one the timeouts are set on the role instead (docs/worker.md).
+            return params
+        stmt = self.statement_timeout if statement_timeout is None else statement_timeout
+        gucs = (
+            f"-c statement_timeout={round(stmt * 1000)} "
+            f"-c idle_in_transaction_session_timeout={round(self.statement_timeout * 1000)}"
+        )
+        # The URL's own -c options come after ours, so they win.
+        params["options"] = f"{gucs} {given['options']}" if given.get("options") else gucs
+        return params
+
+
+async def connect(
+    url: str,
+    *,
+    options: ConnectOptions | None = None,
+    statement_timeout: float | None = None,
+    autocommit: bool = True,
+    **kwargs: Any,
+) -> psycopg.AsyncConnection[Any]:
+    """Open one connection with agentrun's :class:`ConnectOptions` (the only way agentrun opens
+    a connection outside the pool). ``statement_timeout`` overrides the configured one."""
+    opts = options or ConnectOptions.from_env()
+    params = opts.libpq(url, statement_timeout=statement_timeout)
+    return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, **params, **kwargs)
 
 
 def canonical_json(value: Any) -> str:
@@ -357,11 +444,13 @@ def parse_run_id(value: str | UUID) -> UUID:
         ) from None
 
 
-async def check_connect(url: str, connect_timeout: float = 5.0) -> None:
+async def check_connect(
+    url: str, connect_timeout: float = 5.0, options: ConnectOptions | None = None
+) -> None:
     """Connect once, turning any failure into a one-line :class:`DatabaseUnavailable`."""
     try:
-        timeout = max(1, int(connect_timeout))
-        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=timeout)
+        opts = replace(options or ConnectOptions.from_env(), connect_timeout=connect_timeout)
+        conn = await connect(url, options=opts)
     except psycopg.OperationalError as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise DatabaseUnavailable(
@@ -393,11 +482,17 @@ class Store:
     """Async access to runs and steps over a psycopg connection pool."""
 
     def __init__(
-        self, pool: AsyncConnectionPool, url: str, *, lease_ttl: float = DEFAULT_LEASE_TTL
+        self,
+        pool: AsyncConnectionPool,
+        url: str,
+        *,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        options: ConnectOptions | None = None,
     ) -> None:
         self.pool = pool
         self.url = url
         self.lease_ttl = lease_ttl
+        self.options = options or ConnectOptions.from_env()
 
     @classmethod
     async def open(
@@ -409,10 +504,12 @@ class Store:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         connect_timeout: float = 5.0,
         pool_timeout: float = 30.0,
+        options: ConnectOptions | None = None,
     ) -> Self:
         """``pool_timeout``: how long a query waits for a pooled connection (through an outage)
         before it fails; the operator keeps it short to report a database outage quickly."""
-        await check_connect(url, connect_timeout)
+        opts = options or ConnectOptions.from_env()
+        await check_connect(url, connect_timeout, opts)
         pool: AsyncConnectionPool = AsyncConnectionPool(
             url,
             min_size=min_size,
@@ -421,6 +518,7 @@ class Store:
                 "autocommit": True,
                 "prepare_threshold": prepare_threshold(),
                 "context": STORE_ADAPTERS,
+                **opts.libpq(url),
             },
             open=False,
             name="agentrun",
@@ -430,7 +528,7 @@ class Store:
             reconnect_timeout=3600,
         )
         await pool.open(wait=True, timeout=connect_timeout)
-        return cls(pool, url, lease_ttl=lease_ttl)
+        return cls(pool, url, lease_ttl=lease_ttl, options=opts)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -890,15 +988,21 @@ class Store:
     # -- notifications -------------------------------------------------------------------------
 
     async def listen(
-        self, channels: Sequence[str] = (CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY)
+        self,
+        channels: Sequence[str] = (CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY),
+        on_listening: Callable[[], None] | None = None,
     ) -> AsyncIterator[Notification]:
         """Yield notifications from a dedicated connection (LISTEN needs one connection for its
-        whole life, so it does not come from the pool). The generator ends with an
-        OperationalError when the connection drops; callers reconnect."""
-        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        whole life, so it does not come from the pool). ``on_listening`` is called once every
+        LISTEN is in place: from then on no notification is missed. The generator ends with an
+        OperationalError when the connection drops (its keepalives notice a silent death too);
+        callers reconnect."""
+        conn = await connect(self.url, options=self.options)
         try:
             for channel in channels:
                 await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            if on_listening is not None:
+                on_listening()
             async for n in conn.notifies():
                 yield Notification(n.channel, n.payload)
         finally:

@@ -47,7 +47,10 @@ def sign_thinking(
             "thinking_text": thinking,
         }
     )
-    digest = hmac.new(secret.encode(), payload.encode(), hashlib.sha256).digest()
+    # surrogatepass: a lone surrogate (a tool's output, sent as a JSON \ud800 escape) is still
+    # bound by the signature instead of making the server answer 500.
+    digest = hmac.new(secret.encode(), payload.encode("utf-8", "surrogatepass"),
+                      hashlib.sha256).digest()
     return base64.b64encode(digest).decode("ascii")
 
 
