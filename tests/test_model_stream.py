@@ -187,6 +187,6 @@ def test_a_model_deadline_that_is_not_positive_is_one_line_and_exit_2(database_u
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "agentrun: error: --model-deadline (AGENTRUN_MODEL_DEADLINE) is 0; give the seconds one "
-        "model call may take, more than 0 (default 600)"
+        "agentrun: error: --model-deadline 0.0 (AGENTRUN_MODEL_DEADLINE): must be more than 0 "
+        "(seconds one model call may take; default 600)"
     ]

@@ -133,7 +133,7 @@ async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(
     # renewed; both are abandoned with the reason, and the wedged task is stopped.
     client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="unused")
     settings = WorkerSettings(
-        lease_ttl=0.9, progress_budget=1.0, health_port=None, worker_id="w"
+        lease_ttl=1, progress_budget=1.0, health_port=None, worker_id="w"
     )
     worker = Worker(store, client, ToolRegistry(), settings)
     for task in ("wedged", "gone"):
