@@ -24,6 +24,8 @@ import logging
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable
@@ -38,7 +40,7 @@ from psycopg_pool import PoolTimeout
 from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
-from agentrun.tools import ToolRegistry
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
@@ -63,6 +65,7 @@ class WorkerSettings:
     poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
     drain_grace: float = 25.0  # under Kubernetes' default terminationGracePeriodSeconds of 30
     liveness_threshold: float = 60.0
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
     health_host: str = "0.0.0.0"
     health_port: int | None = 8080  # None: no health server; 0: any free port
     worker_id: str = field(default_factory=default_worker_id)
@@ -90,6 +93,7 @@ class Worker:
             self.health,
             settings.retry,
             is_draining=lambda: self.draining,
+            tool_timeout=settings.tool_timeout,
         )
         self.active: dict[UUID, RunHandle] = {}
         self.draining = False
@@ -218,6 +222,7 @@ class Worker:
             free = s.concurrency - len(self.active)
             if free > 0:
                 try:
+                    sent = time.monotonic()  # the leases run from no earlier than this
                     result = await self.store.claim(s.pool, s.worker_id, free, ttl=s.lease_ttl)
                     if not result.claimed:
                         expiry = await self.store.next_lease_expiry(s.pool, s.worker_id)
@@ -236,7 +241,8 @@ class Worker:
                 else:
                     self.metrics.dead_letters.inc(len(result.dead_lettered))
                     for run, lease in result.claimed:
-                        self._start_run(RunHandle(run, lease))
+                        self._start_run(RunHandle(run, lease, last_renewed=sent,
+                                                  lease_ttl=s.lease_ttl))
                     if result.claimed and len(result.claimed) < free:
                         continue  # there may be more right away
             if self.draining:
@@ -334,6 +340,7 @@ class Worker:
             await asyncio.sleep(max(0.05, h.last_renewed + interval - time.monotonic()))
             if time.monotonic() - h.last_renewed < interval:
                 continue
+            sent = time.monotonic()
             try:
                 await self.store.renew(h.lease, ttl=self.settings.lease_ttl)
             except RunCancelled:
@@ -346,7 +353,7 @@ class Worker:
                 log.warning("lease renewal failed: %s", " ".join(str(exc).split())[:200])
                 await asyncio.sleep(1)
                 continue
-            h.last_renewed = time.monotonic()
+            h.last_renewed = sent  # the database's expiry is counted from after this
             self.health.progress()
 
     async def _listen(self) -> None:
@@ -394,3 +401,32 @@ class Worker:
         with contextlib.suppress(*DB_ERRORS):
             for rid, (status, epoch) in (await self.store.run_statuses(list(self.active))).items():
                 self._on_run_changed({"id": rid, "status": status, "epoch": epoch})
+
+
+async def exit_past_lingering_threads(code: int) -> None:
+    """Exit now if threads would keep the process alive after the worker stopped.
+
+    Tools run in daemon threads, but a tool may start threads of its own, or an async tool may
+    use asyncio.to_thread (the event loop's default executor, whose threads asyncio.run joins
+    before returning, without a timeout). A call stuck in one of those must not keep a drained
+    worker alive past Kubernetes' grace period and into a SIGKILL: every run was released
+    already, so nothing is lost by leaving them behind. Idle executor threads are shut down
+    first (quickly), so only stuck threads count.
+    """
+    loop = asyncio.get_running_loop()
+    shutdown = asyncio.ensure_future(loop.shutdown_default_executor())
+    # Shielded: cancelling it would join the stuck thread and block the loop.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(shutdown), 2)
+    stuck = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    if not stuck:
+        return
+    log.warning("exiting past %d thread(s) still running: %s", len(stuck), ", ".join(stuck))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

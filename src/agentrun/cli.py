@@ -35,7 +35,7 @@ from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.store import Store, check_connect
-from agentrun.tools import default_registry, load_tool_modules
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, default_registry, load_tool_modules
 
 # -- commands ------------------------------------------------------------------------------------
 
@@ -255,12 +255,22 @@ def make_client() -> anthropic.AsyncAnthropic:
 
 async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.model_call import RetryPolicy
-    from agentrun.worker.process import Worker, WorkerSettings, default_worker_id
+    from agentrun.worker.process import (
+        Worker,
+        WorkerSettings,
+        default_worker_id,
+        exit_past_lingering_threads,
+    )
 
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     health_port = None if args.health_port < 0 else args.health_port
+    if not 0 < args.tool_timeout < float("inf"):
+        raise ConfigError(
+            f"--tool-timeout (AGENTRUN_TOOL_TIMEOUT) is {args.tool_timeout:g}; "
+            "give a positive number of seconds"
+        )
     # Before the tools, the database and the first claim: a taken port stops nothing midway.
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
     loaded = load_tool_modules(args.tools)
@@ -275,6 +285,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         drain_grace=args.drain_grace,
         liveness_threshold=args.liveness_threshold,
+        tool_timeout=args.tool_timeout,
         health_port=health_port,
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries),
@@ -290,6 +301,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         await store.pool.close(timeout=5)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client.close(), 5)
+    await exit_past_lingering_threads(0)
     return 0
 
 
@@ -441,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
     )
     s.add_argument("--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8))
+    s.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=env_float("AGENTRUN_TOOL_TIMEOUT", DEFAULT_TOOL_TIMEOUT),
+        help="seconds a tool call may take, for tools that declare no @tool(timeout=...)",
+    )
     s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
