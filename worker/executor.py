@@ -80,7 +80,7 @@ class RunHandle:
     # the real expiry. CLOCK_MONOTONIC goes on while the process is stopped (SIGSTOP), so a
     # worker woken after its lease ran out knows it at once, before asking anyone.
     last_renewed: float = field(default_factory=time.monotonic)
-    lease_ttl: float = 15.0
+    lease_ttl: float = field(kw_only=True)  # the TTL the claim and every renewal asked for
 
     @property
     def run_id(self) -> str:
@@ -93,8 +93,9 @@ class RunHandle:
 
     def lease_lost(self) -> str | None:
         """The fence tools see (agentrun.tools.LeaseFence); safe to call from a tool's thread."""
-        if self.abort_reason in ("lease lost", "cancelled"):
-            return "the run was cancelled" if self.abort_reason == "cancelled" else "lease lost"
+        if self.abort_reason is not None:  # the task is being stopped; a drain hands the run over
+            return {"cancelled": "the run was cancelled", "drain": "the worker handed the run over"
+                    }.get(self.abort_reason, self.abort_reason)
         late = time.monotonic() - self.lease_expires
         if late >= 0:
             return f"lease expired {late:.1f} s ago by this worker's clock"

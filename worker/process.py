@@ -12,7 +12,8 @@ Beside the main claim loop run three kinds of side tasks (procrastinate's shape)
 SIGTERM drains: claiming stops, in-flight model calls are aborted at once (a half-streamed turn
 has no side effects, and the next worker should not wait for it), tools run on to their commit,
 every lease is released so another worker resumes immediately rather than after the TTL, and the
-process exits 0. Whatever is still running after the grace period is aborted and released. A
+process exits 0. Whatever is still running after the grace period is aborted and released;
+threads still stuck in a tool call do not keep the process alive (exit_past_lingering_threads). A
 second signal exits at once.
 """
 
