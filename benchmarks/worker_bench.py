@@ -111,7 +111,7 @@ def prompt_for_agent() -> Any:
 async def durable_loop(store: Store, executor: RunExecutor, task: str) -> int:
     run, _ = await store.create_run(task, AGENT, pool="bench")
     ((claimed, lease),) = (await store.claim("bench", "bench-worker", 1, ttl=60)).claimed
-    await executor.advance(RunHandle(claimed, lease))
+    await executor.advance(RunHandle(claimed, lease, lease_ttl=60))
     return sum(1 for s in await store.steps(run.id) if s.kind == "model_turn")
 
 

@@ -7,7 +7,8 @@ happens exactly once, an irreversible effect never happens twice (the run waits 
 its outcome is unknown, and the human's decision is given through the real CLI), seqs are
 contiguous and the run ends right. Beyond the matrix: re-runs of an irreversible call whose
 approved attempt was killed again (each needs a decision of its own), compensation chains killed
-or cancelled in their middle, approvals across a worker restart.
+or cancelled in their middle, approvals across a worker restart; and one point that is a SIGSTOP,
+not a SIGKILL: a zombie worker woken inside a tool call after another worker took its run.
 """
 
 from __future__ import annotations
@@ -523,3 +524,81 @@ async def test_a_plain_cancel_during_a_rollback_lets_every_compensation_run(
     assert _effects(ledger_db, rid) == ["book:seat", "book:hotel", "unbook:hotel", "unbook:seat"]
     steps = await store.steps(rid)
     assert [s.kind for s in steps[-2:]] == ["compensation", "compensation"]
+
+
+def _count(url: str, sql: str, run_id: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(sql, (run_id,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+async def test_a_sigstopped_worker_inside_a_tool_call_is_fenced_and_commits_nothing(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    """The SIGSTOP zombie: a worker stopped inside an irreversible call loses its lease and
+    another worker takes the run (which waits for a human, saying who may still be inside the
+    call and until when). Woken by SIGCONT, the zombie commits nothing and starts nothing, and
+    its tool sees the fence and stops instead of acting a second time."""
+    srv = fake(
+        {
+            "name": "wire",
+            "scripts": [
+                {
+                    "name": "wire",
+                    "turns": [
+                        {
+                            "content": [
+                                {"tool_use": {"name": "wire_transfer", "input": {"amount": 100}}}
+                            ]
+                        },
+                        {"content": [{"text": "wired"}]},
+                    ],
+                }
+            ],
+        }
+    )
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run(
+        "wire money", AGENT.model_copy(update={"tools": ["wire_transfer"]})
+    )
+    rid = str(run.id)
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    attempts_sql = "SELECT count(*) FROM ledger_attempts WHERE run_id = %s"
+    fenced_sql = "SELECT count(*) FROM ledger_fenced WHERE run_id = %s"
+    effects_sql = "SELECT count(*) FROM ledger_effects WHERE run_id = %s"
+    opts = ["--tool-timeout", "60"]
+    w1 = workers.start("w1", tools=tools, extra=opts)
+    await wait_for(lambda: _count(ledger_db, attempts_sql, rid) == 1, 30, "w1 inside the call")
+    w1.signal(signal.SIGSTOP)
+    try:
+        workers.start("w2", tools=tools, extra=opts)
+        waiting = await wait_run(store, run.id, lambda r: r.status == "waiting_approval", 30)
+    finally:
+        w1.signal(signal.SIGCONT)
+    reason = waiting.wait_reason or ""
+    assert reason.startswith("outcome unknown: wire_transfer (step 0)"), reason
+    assert "worker w1 may still be running it until" in reason, reason
+    assert "plus the tool's 60 s timeout" in reason, reason
+    assert waiting.error is not None and "while tool wire_transfer" in waiting.error
+
+    await wait_for(lambda: _count(ledger_db, fenced_sql, rid) == 1, 30, "the zombie's fence")
+    await wait_for(lambda: "lease lost" in w1.output(), 30, "the zombie to drop the run")
+    assert w1.popen.poll() is None  # alive: it stopped acting on the run, nothing more
+    after = await store.get_run(run.id)
+    assert (after.status, after.lease_epoch) == ("waiting_approval", waiting.lease_epoch)
+    assert [s.kind for s in await store.steps(run.id)] == ["model_turn"]
+    with psycopg.connect(ledger_db) as conn:
+        effect = conn.execute(
+            "SELECT state, worker FROM tool_effect WHERE run_id = %s", (rid,)
+        ).fetchall()
+    assert effect == [("intent", "w1")]  # the zombie recorded no outcome
+    assert _count(ledger_db, effects_sql, rid) == 0 and _count(ledger_db, attempts_sql, rid) == 1
+    assert len(srv.requests()) == 1  # and called no model
+
+    res = run_cli("approve", rid, "0", "--by", "oncall", env={"AGENTRUN_DATABASE_URL": ledger_db})
+    assert res.returncode == 0, res.stderr
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "succeeded", done.error
+    assert _count(ledger_db, effects_sql, rid) == 1  # the money was sent once
+    assert _count(ledger_db, attempts_sql, rid) == 2
+    assert len(srv.requests()) == 2

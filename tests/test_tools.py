@@ -555,3 +555,82 @@ def test_load_errors(tmp_path: Path, fresh_default: ToolRegistry) -> None:
     with pytest.raises(ToolLoadError, match=r"bad_decl.*kind='sometimes'"):
         load_tool_modules([str(bad_decl)])
     assert fresh_default.names() == []
+
+
+# --------------------------------------------------------------------------- containment, fence
+
+
+class _Fence:
+    def __init__(self) -> None:
+        self.lost: str | None = None
+
+    def lease_lost(self) -> str | None:
+        return self.lost
+
+
+def test_the_fence_turns_invalid_once_the_lease_is_lost() -> None:
+    fence = _Fence()
+    ctx = make_context("run-1", 4, 0, "wire", {}, fence=fence)
+    assert ctx.lease_valid()
+    ctx.check_lease()
+    fence.lost = "lease expired 1.0 s ago by this worker's clock"
+    assert not ctx.lease_valid()
+    with pytest.raises(tools.LeaseExpired, match=r"run run-1: lease expired 1\.0 s .* wire must"):
+        ctx.check_lease()
+    assert make_context("run-1", 4, 0, "wire", {}).lease_valid()  # no fence: always valid
+
+
+@pytest.mark.parametrize(
+    ("raised", "text"),
+    [
+        (SystemExit(3), "tool quit raised SystemExit: 3"),
+        (KeyboardInterrupt(), "tool quit raised KeyboardInterrupt"),
+        (type("Escape", (BaseException,), {})("out"), "tool quit raised Escape: out"),
+    ],
+)
+async def test_a_base_exception_from_a_tool_is_contained(
+    reg: ToolRegistry, raised: BaseException, text: str
+) -> None:
+    def quit(ctx: ToolContext) -> str:
+        raise raised
+
+    spec = spec_of(reg, quit)
+    with pytest.raises(tools.ToolCrashed) as err:
+        await spec.invoke(ctx_for("quit"), {})
+    assert str(err.value).startswith(text) and err.value.original is raised
+    assert spec.classify(err.value) == "result"  # reported to the model, like any failure
+
+
+async def test_our_own_cancellation_still_cancels_an_async_tool(reg: ToolRegistry) -> None:
+    started = asyncio.Event()
+
+    async def wait(ctx: ToolContext) -> str:
+        started.set()
+        await asyncio.sleep(3600)
+        return "never"
+
+    spec = spec_of(reg, wait)
+    call = asyncio.ensure_future(spec.invoke(ctx_for("wait"), {}))
+    await started.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+async def test_a_sync_tool_runs_in_a_daemon_thread(reg: ToolRegistry) -> None:
+    def where(ctx: ToolContext) -> str:
+        t = threading.current_thread()
+        return f"{t.name} daemon={t.daemon}"
+
+    out = await spec_of(reg, where).invoke(ctx_for("where"), {})
+    assert out.content == "tool-where-run-1 daemon=True"
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), "5", True])
+def test_a_timeout_must_be_a_positive_number(reg: ToolRegistry, bad: Any) -> None:
+    def slow(ctx: ToolContext) -> str:
+        return ""
+
+    with pytest.raises(ToolDefinitionError, match="timeout must be a positive number of seconds"):
+        spec_of(reg, slow, timeout=bad)
+    assert spec_of(reg, slow, timeout=2).timeout == 2.0

@@ -139,7 +139,8 @@ async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(
     for task in ("wedged", "gone"):
         await store.create_run(task, AGENT)
     claimed = (await store.claim("default", "w", 2, ttl=settings.lease_ttl)).claimed
-    handles = {run.task: RunHandle(run, lease) for run, lease in claimed}
+    handles = {run.task: RunHandle(run, lease, lease_ttl=settings.lease_ttl)
+               for run, lease in claimed}
     handles["wedged"].task = asyncio.create_task(asyncio.Event().wait())
     gone = handles["gone"].task = asyncio.create_task(asyncio.sleep(0))
     await gone

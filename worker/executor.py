@@ -20,18 +20,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anthropic
 
+from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
 from agentrun.tools import (
+    DEFAULT_TOOL_TIMEOUT,
+    LeaseExpired,
     ToolContext,
     ToolError,
     ToolKind,
+    ToolOutcome,
     ToolRegistry,
     ToolSpec,
+    ToolTimeout,
     UnknownToolError,
     idempotency_key,
     make_context,
@@ -70,13 +76,33 @@ class RunHandle:
     abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain" | "stalled"
     in_model_call: bool = False
     rollback_requested: bool = False  # set by the listener; acted on at the next boundary
+    # Monotonic time at which the last write that renewed the lease was SENT: the database set
+    # lease_until from its own clock after that, so last_renewed + lease_ttl is never later than
+    # the real expiry. CLOCK_MONOTONIC goes on while the process is stopped (SIGSTOP), so a
+    # worker woken after its lease ran out knows it at once, before asking anyone.
     last_renewed: float = field(default_factory=time.monotonic)
     #: What the heartbeat renews by (worker/liveness.py): commits, and calls within deadline.
     progress: Progress = field(default_factory=Progress)
+    lease_ttl: float = field(kw_only=True)  # the TTL the claim and every renewal asked for
 
     @property
     def run_id(self) -> str:
         return str(self.run.id)
+
+    @property
+    def lease_expires(self) -> float:
+        """When the lease runs out by this worker's monotonic clock (at the latest)."""
+        return self.last_renewed + self.lease_ttl
+
+    def lease_lost(self) -> str | None:
+        """The fence tools see (agentrun.tools.LeaseFence); safe to call from a tool's thread."""
+        if self.abort_reason is not None:  # the task is being stopped; a drain hands the run over
+            return {"cancelled": "the run was cancelled", "drain": "the worker handed the run over"
+                    }.get(self.abort_reason, self.abort_reason)
+        late = time.monotonic() - self.lease_expires
+        if late >= 0:
+            return f"lease expired {late:.1f} s ago by this worker's clock"
+        return None
 
     def abort(self, reason: str) -> None:
         """Stop the run's task now, interrupting an in-flight model call or backoff."""
@@ -139,22 +165,24 @@ class RunExecutor:
     health: Health
     retry: RetryPolicy
     is_draining: Callable[[], bool]
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
         pv_id = h.run.prompt_version
         if pv_id is None:
             pv = prompt_for(h.run, self.registry)
+            sent = time.monotonic()
             pv_id = await self.store.pin_prompt_version(h.lease, pv)
-            self._committed(h)
+            self._committed(h, sent)
             if pv_id == pv.id:
                 self._prompts[pv_id] = pv
         if pv_id not in self._prompts:
             self._prompts[pv_id] = await self.store.get_prompt_version(pv_id)
         return self._prompts[pv_id]
 
-    def _committed(self, h: RunHandle) -> None:
-        h.last_renewed = time.monotonic()  # every fenced write renews the lease
+    def _committed(self, h: RunHandle, sent: float) -> None:
+        h.last_renewed = sent  # every fenced write renews the lease (from when it was sent)
         h.progress.committed()
         self.health.progress()
 
@@ -168,6 +196,7 @@ class RunExecutor:
         started: float | None = None,
         tokens: tuple[int, int] = (0, 0),
     ) -> None:
+        sent = time.monotonic()
         await self.store.append_step(
             h.lease,
             seq,
@@ -177,7 +206,7 @@ class RunExecutor:
             input_tokens=tokens[0],
             output_tokens=tokens[1],
         )
-        self._committed(h)
+        self._committed(h, sent)
         self.metrics.steps.labels(kind).inc()
         if started is not None:
             self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
@@ -270,8 +299,9 @@ class RunExecutor:
         """Tier 3: the run fails. First undo, newest first, every recorded effect that declared
         a compensation (tier 2), each as a durable step; then fail with a record of what was
         undone. A resume of a run that began to roll back lands here again and goes on."""
+        sent = time.monotonic()
         reason = await self.store.begin_rollback(h.lease, reason)
-        self._committed(h)
+        self._committed(h, sent)
         outcome = "no_compensation"
         try:
             if await self.rollback(h):
@@ -387,23 +417,27 @@ class RunExecutor:
         key = idempotency_key(h.run_id, turn_seq, name, args, index)
 
         async def record(state: Any, outcome: dict[str, Any] | None = None) -> None:
+            sent = time.monotonic()
             await self.store.record_effect(
                 h.lease, turn_seq, index, key=key, tool=name, tool_kind=spec.kind.value,
                 state=state, result=outcome, tool_input=args, compensate=spec.compensate)
-            self._committed(h)
+            self._committed(h, sent)
 
         if spec.kind is ToolKind.IRREVERSIBLE:
-            decided = await self._gate_irreversible(h, turn_seq, index, name, args, effect)
+            decided = await self._gate_irreversible(h, turn_seq, index, name, args, effect, spec)
             if decided is not None:
                 await record("done", decided)
                 return {**result, **decided}
             if effect is None:
                 await record("intent")
             else:  # a decided re-run: counted before the call, so one decision buys one call
+                sent = time.monotonic()
                 await self.store.retry_intent(h.lease, turn_seq, index, effect.attempts)
-                self._committed(h)
+                self._committed(h, sent)
             crash_point("after_intent_commit", turn_seq)
-        with h.progress.working(f"tool {name}"):
+        # Progress while it lasts, up to its timeout (the call is cut off there anyway).
+        with h.progress.working(f"tool {name}",
+                                deadline=time.monotonic() + self._timeout(spec)):
             outcome = await self._invoke(h, spec, turn_seq, index, name, args)
         crash_point("after_tool_return", turn_seq)
         if recorded:
@@ -412,7 +446,7 @@ class RunExecutor:
 
     async def _gate_irreversible(
         self, h: RunHandle, seq: int, index: int, name: str, args: dict[str, Any],
-        effect: Effect | None,
+        effect: Effect | None, spec: ToolSpec,
     ) -> dict[str, Any] | None:
         """None: go ahead and call. A dict: the decided tool_result (a rejection).
 
@@ -429,7 +463,8 @@ class RunExecutor:
             if decision is None:
                 raise WaitForApproval(
                     f"outcome unknown: {name} (step {seq}, attempt {attempt}) was called and its "
-                    "worker died before the outcome was recorded; check its target, then approve "
+                    "worker died before the outcome was recorded; "
+                    f"{self._previous_holder(h, spec, seq, index)}; check its target, then approve "
                     f"to run it once more (attempt {attempt + 1}) or reject to tell the model it "
                     "was not retried",
                     pending("outcome_unknown", attempt),
@@ -451,6 +486,32 @@ class RunExecutor:
                         "is_error": True}
         return None
 
+    def _timeout(self, spec: ToolSpec) -> float:
+        return spec.timeout if spec.timeout is not None else self.tool_timeout
+
+    def _previous_holder(self, h: RunHandle, spec: ToolSpec, seq: int, index: int) -> str:
+        """Who may still be inside an irreversible call whose outcome is unknown, until when.
+
+        A worker that lost its lease (SIGSTOPped, partitioned) may wake up inside the call: it
+        stops waiting for it, commits nothing and starts nothing more, and the tool sees
+        ctx.lease_valid() turn False; but a thread already inside a call that does not check
+        cannot be killed. The bound: the old lease's end plus the tool's timeout.
+        """
+        marker = h.run.tool_call or {}
+        mine = marker.get("seq") == seq and marker.get("call_index") == index
+        timeout = self._timeout(spec)
+        if mine and marker.get("lease_until"):
+            who = f"worker {marker.get('worker')}"
+            ended = datetime.fromisoformat(str(marker["lease_until"]))
+        else:  # the previous lease ended before this claim took the run
+            who, ended = "its previous holder", h.run.updated_at
+        until = ended + timedelta(seconds=timeout)
+        return (
+            f"{who} may still be running it until {until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC "
+            f"(its lease ended by {ended.astimezone(UTC):%H:%M:%S}, plus the tool's {timeout:g} s "
+            "timeout)"
+        )
+
     async def _invoke(
         self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
         args: dict[str, Any],
@@ -458,12 +519,24 @@ class RunExecutor:
         """Call the tool; retry what it declares transient (never an irreversible call)."""
         attempt = 1
         while True:
-            ctx = make_context(h.run_id, turn_seq, index, name, args, attempt)
+            ctx = make_context(h.run_id, turn_seq, index, name, args, attempt, fence=h)
             try:
-                outcome = await spec.invoke(ctx, args)
+                outcome = await self._call(h, spec, ctx, args)
             except ToolError as exc:
                 return {"content": str(exc), "is_error": True}
+            except LeaseExpired as exc:  # the tool saw the fence: this worker must stop
+                raise LeaseLost(h.run_id, f"{name} stopped at the fence: {exc}") from None
             except Exception as exc:
+                if isinstance(exc, ToolTimeout) and spec.kind is ToolKind.IRREVERSIBLE:
+                    raise WaitForApproval(
+                        f"outcome unknown: {name} (step {turn_seq}) did not return within its "
+                        f"{exc.timeout:g} s timeout; it may still be running in worker "
+                        f"{h.lease.worker} (a call already inside the tool cannot be killed); "
+                        "check its target, then approve to run it again or reject to tell the "
+                        "model it was not retried",
+                        {"seq": turn_seq, "call_index": index, "tool": name, "input": args,
+                         "stage": "outcome_unknown"},
+                    ) from exc
                 disposition = spec.classify(exc)
                 if disposition == "retry" and attempt <= self.retry.max_retries:
                     delay = self.retry.delay(attempt - 1, None)
@@ -479,3 +552,51 @@ class RunExecutor:
             if outcome.is_error:
                 return {"content": outcome.content, "is_error": True}
             return {"content": outcome.content}
+
+    async def _call(
+        self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]
+    ) -> ToolOutcome:
+        """One invocation, fenced and bounded.
+
+        Before it starts, the call is marked on the run (a fenced write: a worker that lost the
+        run learns it here, from the database, and starts nothing). The mark is what the next
+        claim reads if this process dies inside the call (os._exit, a segfault, SIGKILL): that
+        run is blamed, with the tool's name, and its co-located runs are handed over without
+        losing an attempt (migration 0005). While the call runs the worker stops waiting for it
+        at its timeout, or as soon as the lease is lost or runs out by the local clock; an async
+        tool is cancelled then, a sync tool's daemon thread is left to finish (or to see the
+        fence, ctx.lease_valid()).
+        """
+        timeout = self._timeout(spec)
+        self._refuse_if_lost(h, spec.name)
+        sent = time.monotonic()
+        await self.store.begin_tool_call(h.lease, {
+            "worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
+            "seq": ctx.seq, "call_index": ctx.call_index, "step": ctx.seq + 1,
+            "timeout": timeout,
+        })
+        self._committed(h, sent)
+        self._refuse_if_lost(h, spec.name)  # the process may have been stopped since the write
+        call = asyncio.ensure_future(spec.invoke(ctx, args))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                wait = min(deadline, h.lease_expires) - time.monotonic()
+                done, _ = await asyncio.wait({call}, timeout=max(wait, 0.0))
+                if done:
+                    return call.result()
+                lost = h.lease_lost()
+                if lost is not None:
+                    raise LeaseLost(h.run_id, f"{lost}; stopped waiting for {spec.name}")
+                if time.monotonic() >= deadline:
+                    log.warning("tool %s (step %d, call %d) timed out after %g s",
+                                spec.name, ctx.seq, ctx.call_index, timeout)
+                    raise ToolTimeout(spec.name, timeout)
+        finally:
+            if not call.done():
+                call.cancel()  # an async tool stops here; a sync tool's thread is abandoned
+
+    def _refuse_if_lost(self, h: RunHandle, name: str) -> None:
+        lost = h.lease_lost()
+        if lost is not None:
+            raise LeaseLost(h.run_id, f"{lost}; not starting {name}")

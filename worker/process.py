@@ -16,7 +16,8 @@ Beside the main claim loop run three kinds of side tasks (procrastinate's shape)
 SIGTERM drains: claiming stops, in-flight model calls are aborted at once (a half-streamed turn
 has no side effects, and the next worker should not wait for it), tools run on to their commit,
 every lease is released so another worker resumes immediately rather than after the TTL, and the
-process exits 0. Whatever is still running after the grace period is aborted and released. A
+process exits 0. Whatever is still running after the grace period is aborted and released;
+threads still stuck in a tool call do not keep the process alive (exit_past_lingering_threads). A
 second signal exits at once.
 """
 
@@ -29,6 +30,8 @@ import math
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable
@@ -45,7 +48,7 @@ from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.manifests import pool_problem
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
-from agentrun.tools import ToolRegistry
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
@@ -75,6 +78,7 @@ class WorkerSettings:
     drain_grace: float = 25.0  # under Kubernetes' default terminationGracePeriodSeconds of 30
     liveness_threshold: float = 60.0
     progress_budget: float = DEFAULT_PROGRESS_BUDGET  # see worker/liveness.py
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
     health_host: str = "0.0.0.0"
     health_port: int | None = 8080  # None: no health server; 0: any free port
     # Loopback only, whatever the health host: /drain stops the worker.
@@ -118,6 +122,10 @@ def check_settings(s: WorkerSettings) -> None:
         raise bad("--model-deadline", s.retry.deadline,
                   f"must be more than 0 (seconds one model call may take; default "
                   f"{DEFAULT_MODEL_DEADLINE:g})")
+    if not (finite(s.tool_timeout) and s.tool_timeout > 0):
+        raise bad("--tool-timeout", s.tool_timeout,
+                  f"must be more than 0 (seconds a tool call may take unless it declares "
+                  f"@tool(timeout=...); default {DEFAULT_TOOL_TIMEOUT:g})")
     if not (finite(s.progress_budget) and s.progress_budget > 0):
         raise bad("--progress-budget", s.progress_budget,
                   f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")
@@ -150,6 +158,7 @@ class Worker:
             self.health,
             settings.retry,
             is_draining=lambda: self.draining,
+            tool_timeout=settings.tool_timeout,
         )
         self.active: dict[UUID, RunHandle] = {}
         self.draining = False
@@ -322,6 +331,7 @@ class Worker:
             free = s.concurrency - len(self.active)
             if free > 0:
                 try:
+                    sent = time.monotonic()  # the leases run from no earlier than this
                     result = await self.store.claim(s.pool, s.worker_id, free, ttl=s.lease_ttl)
                     if not result.claimed:
                         expiry = await self.store.next_lease_expiry(s.pool, s.worker_id)
@@ -340,7 +350,8 @@ class Worker:
                 else:
                     self.metrics.dead_letters.inc(len(result.dead_lettered))
                     for run, lease in result.claimed:
-                        self._start_run(RunHandle(run, lease))
+                        self._start_run(RunHandle(run, lease, last_renewed=sent,
+                                                  lease_ttl=s.lease_ttl))
                     if result.claimed and len(result.claimed) < free:
                         continue  # there may be more right away
             if self.draining:
@@ -451,6 +462,7 @@ class Worker:
             if stalled is not None:
                 await self._let_go(h, stalled)
                 return
+            sent = time.monotonic()
             try:
                 # A renewal slower than the TTL is worthless (the lease ran out meanwhile), and
                 # on a silently dead connection it would never return.
@@ -469,7 +481,7 @@ class Worker:
                 log.warning("lease renewal failed: %s", " ".join(str(exc).split())[:200])
                 await asyncio.sleep(1)
                 continue
-            h.last_renewed = time.monotonic()
+            h.last_renewed = sent  # the database's expiry is counted from after this
             self.health.progress()
 
     async def _let_go(self, h: RunHandle, why: str) -> None:
@@ -538,3 +550,32 @@ class Worker:
         with contextlib.suppress(*DB_ERRORS):
             for rid, (status, epoch) in (await self.store.run_statuses(list(self.active))).items():
                 self._on_run_changed({"id": rid, "status": status, "epoch": epoch})
+
+
+async def exit_past_lingering_threads(code: int) -> None:
+    """Exit now if threads would keep the process alive after the worker stopped.
+
+    Tools run in daemon threads, but a tool may start threads of its own, or an async tool may
+    use asyncio.to_thread (the event loop's default executor, whose threads asyncio.run joins
+    before returning, without a timeout). A call stuck in one of those must not keep a drained
+    worker alive past Kubernetes' grace period and into a SIGKILL: every run was released
+    already, so nothing is lost by leaving them behind. Idle executor threads are shut down
+    first (quickly), so only stuck threads count.
+    """
+    loop = asyncio.get_running_loop()
+    shutdown = asyncio.ensure_future(loop.shutdown_default_executor())
+    # Shielded: cancelling it would join the stuck thread and block the loop.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(shutdown), 2)
+    stuck = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    if not stuck:
+        return
+    log.warning("exiting past %d thread(s) still running: %s", len(stuck), ", ".join(stuck))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -48,7 +48,7 @@ from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.store import Store, check_connect, connect
-from agentrun.tools import default_registry, load_tool_modules
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, default_registry, load_tool_modules
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 # -- commands ------------------------------------------------------------------------------------
@@ -292,6 +292,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         WorkerSettings,
         check_settings,
         default_worker_id,
+        exit_past_lingering_threads,
     )
 
     setup_logging(args.log_format, args.log_level)
@@ -307,6 +308,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         drain_grace=args.drain_grace,
         liveness_threshold=args.liveness_threshold,
         progress_budget=args.progress_budget,
+        tool_timeout=args.tool_timeout,
         health_port=health_port,
         control_port=control_port,
         worker_id=args.worker_id or default_worker_id(),
@@ -333,6 +335,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         await store.pool.close(timeout=5)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client.close(), 5)
+    await exit_past_lingering_threads(0)
     return 0
 
 
@@ -541,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=env_float("AGENTRUN_MODEL_DEADLINE", DEFAULT_MODEL_DEADLINE),
         help="seconds one model call may take in all (a transient failure past it)",
+    )
+    s.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=env_float("AGENTRUN_TOOL_TIMEOUT", DEFAULT_TOOL_TIMEOUT),
+        help="seconds a tool call may take, for tools that declare no @tool(timeout=...)",
     )
     s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
     s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))

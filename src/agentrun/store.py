@@ -358,6 +358,9 @@ class Run:
     def rolling_back(self) -> bool:
         """A rollback was asked for or began and the run has not ended: it runs to the end."""
         return self.rollback_reason is not None and not self.finished
+    # The last tool call marked before it was invoked (migration 0005); after a takeover from a
+    # worker that died inside it, also that worker's "lease_until".
+    tool_call: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -821,6 +824,11 @@ class Store:
         row = await self._fenced("begin_rollback", lease, reason=reason)
         pinned: str = row[0]
         return pinned
+
+    async def begin_tool_call(self, lease: Lease, call: dict[str, Any]) -> None:
+        """Mark the tool call about to be invoked (fenced; renews the lease). Raises
+        :class:`LeaseLost` when this worker no longer holds the run: the call must not start."""
+        await self._fenced("begin_tool_call", lease, tool_call=Jsonb(call))
 
     async def wait_for_approval(
         self, lease: Lease, reason: str, pending_call: dict[str, Any]

@@ -37,6 +37,7 @@ policies (intent rows, recorded effects, retries with backoff, compensation) liv
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import enum
 import hashlib
@@ -47,12 +48,13 @@ import json
 import logging
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_type_hints, overload
+from typing import Any, Literal, Protocol, TypeVar, get_type_hints, overload
 
 import pydantic
 import pydantic_core
@@ -60,9 +62,13 @@ import pydantic_core
 from agentrun.errors import AgentrunError, ConfigError
 
 __all__ = [
+    "DEFAULT_TOOL_TIMEOUT",
     "Disposition",
     "KindName",
+    "LeaseExpired",
+    "LeaseFence",
     "ToolContext",
+    "ToolCrashed",
     "ToolDefinitionError",
     "ToolError",
     "ToolKind",
@@ -70,6 +76,7 @@ __all__ = [
     "ToolOutcome",
     "ToolRegistry",
     "ToolSpec",
+    "ToolTimeout",
     "UnknownToolError",
     "default_registry",
     "idempotency_key",
@@ -85,6 +92,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 KindName = Literal["pure", "idempotent", "non_idempotent", "irreversible"]
 OnError = Literal["result", "abort"]
 Disposition = Literal["retry", "result", "abort"]
+
+# How long the worker waits for a tool call that declares no ``timeout`` (the worker's
+# --tool-timeout / AGENTRUN_TOOL_TIMEOUT overrides it).
+DEFAULT_TOOL_TIMEOUT = 300.0
 
 _TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _SPEC_ATTR = "__agentrun_tool__"
@@ -116,6 +127,34 @@ class ToolError(Exception):
     Applies whatever the tool's ``on_error`` and ``retryable`` say: it is the tool's own, deliberate
     answer ("no such customer"), not a failure of the infrastructure.
     """
+
+
+class ToolCrashed(Exception):
+    """A tool raised a BaseException that is not an ``Exception`` (``sys.exit()``,
+    ``KeyboardInterrupt``, a ``CancelledError`` of its own, ...).
+
+    Contained: it is a failure of that call (classified like any other exception, see
+    :meth:`ToolSpec.classify`), never the end of the worker and of every run it holds.
+    """
+
+    def __init__(self, tool_name: str, exc: BaseException) -> None:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        super().__init__(f"tool {tool_name} raised {detail} (a tool cannot stop the worker)")
+        self.original = exc
+
+
+class ToolTimeout(TimeoutError):
+    """A call did not return within its timeout (``@tool(timeout=...)`` or the worker's
+    --tool-timeout). A TimeoutError: ``retryable=(TimeoutError,)`` retries it (never for an
+    irreversible tool, whose outcome is then unknown)."""
+
+    def __init__(self, tool_name: str, timeout: float) -> None:
+        super().__init__(f"tool {tool_name} did not return within its timeout of {timeout:g} s")
+        self.timeout = timeout
+
+
+class LeaseExpired(AgentrunError):
+    """Raised by :meth:`ToolContext.check_lease`: this worker no longer holds the run."""
 
 
 class ToolDefinitionError(ConfigError, ValueError):
@@ -166,6 +205,15 @@ def idempotency_key(run_id: str, seq: int, tool: str, args: dict[str, Any], call
     return hashlib.sha256(raw.encode("utf-8")).hexdigest()
 
 
+class LeaseFence(Protocol):
+    """What a :class:`ToolContext` asks the worker about its hold on the run."""
+
+    def lease_lost(self) -> str | None:
+        """Why the run is no longer held (its lease was lost, or ran out by the worker's own
+        clock), or None while it is. Safe to call from any thread."""
+        ...
+
+
 @dataclass(frozen=True)
 class ToolContext:
     """What a tool learns about the call it is serving (the first parameter of every tool)."""
@@ -179,6 +227,22 @@ class ToolContext:
     # In a compensation: the idempotency key of the call being undone (what the remote system
     # knows the original effect by: the charge a refund must find). None otherwise.
     compensates_key: str | None = None
+    # The worker's hold on the run. A worker that lost its lease (it was stopped, partitioned or
+    # too slow, and another worker took the run) must stop acting: a long tool checks
+    # lease_valid() / check_lease() before each step it cannot take back. None: always valid
+    # (a context built by hand, in a unit test).
+    fence: LeaseFence | None = None
+
+    def lease_valid(self) -> bool:
+        """False once this worker has lost the run (or its lease ran out by the worker's own
+        monotonic clock, which also counts the time the process was stopped)."""
+        return self.fence is None or self.fence.lease_lost() is None
+
+    def check_lease(self) -> None:
+        """Raise :class:`LeaseExpired` if this worker no longer holds the run."""
+        lost = self.fence.lease_lost() if self.fence is not None else None
+        if lost is not None:
+            raise LeaseExpired(f"run {self.run_id}: {lost}; {self.tool_name} must stop")
 
     @cached_property
     def logger(self) -> logging.LoggerAdapter[logging.Logger]:
@@ -193,11 +257,17 @@ class ToolContext:
 
 
 def make_context(
-    run_id: str, seq: int, call_index: int, tool_name: str, args: dict[str, Any], attempt: int = 1
+    run_id: str,
+    seq: int,
+    call_index: int,
+    tool_name: str,
+    args: dict[str, Any],
+    attempt: int = 1,
+    fence: LeaseFence | None = None,
 ) -> ToolContext:
     """Build the :class:`ToolContext` for one call, computing its idempotency key."""
     key = idempotency_key(run_id, seq, tool_name, args, call_index)
-    return ToolContext(run_id, seq, call_index, tool_name, key, attempt)
+    return ToolContext(run_id, seq, call_index, tool_name, key, attempt, fence=fence)
 
 
 # ----------------------------------------------------------------------------------------- spec
@@ -309,6 +379,43 @@ def _render(value: Any) -> tuple[str, Any]:
     return content, jsonable
 
 
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting (a timeout, a lost lease, a cancel)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+async def _in_daemon_thread(name: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+    """Run a sync tool in a thread of its own, marked daemon.
+
+    Not ``asyncio.to_thread``: the default executor's threads are joined when the event loop and
+    the interpreter shut down, so one call stuck in a blocking read kept a SIGTERMed worker alive
+    for ever. A daemon thread is abandoned at exit. The caller's context variables (the run id
+    the log lines carry) go with the call, as to_thread would do.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def target() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = context.run(fn, *args, **kw)
+        except BaseException as exc:  # handed to the awaiting task, which contains it
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future
+
+
 @dataclass(frozen=True, eq=False)
 class ToolSpec:
     """A declared tool: everything the runtime needs to describe, call and recover it."""
@@ -321,6 +428,7 @@ class ToolSpec:
     retryable: tuple[type[BaseException], ...] = ()
     compensate: str | None = None
     on_error: OnError = "result"
+    timeout: float | None = None  # seconds; None: the worker's --tool-timeout
 
     @classmethod
     def from_function(
@@ -333,6 +441,7 @@ class ToolSpec:
         retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
         compensate: str | None = None,
         on_error: OnError = "result",
+        timeout: float | None = None,
     ) -> ToolSpec:
         """Validate the declaration and build the spec (what ``@tool`` does, minus registering)."""
         label = _qualname(fn)
@@ -374,6 +483,14 @@ class ToolSpec:
                 raise ToolDefinitionError(
                     f"tool {label}: a pure tool has no side effects to compensate"
                 )
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise ToolDefinitionError(
+                f"tool {label}: timeout must be a positive number of seconds, got {timeout!r}"
+            )
         desc = _describe(fn) if description is None else " ".join(description.split())
         return cls(
             name=tool_name,
@@ -384,6 +501,7 @@ class ToolSpec:
             retryable=retryable,
             compensate=compensate,
             on_error=on_error,
+            timeout=None if timeout is None else float(timeout),
         )
 
     @cached_property
@@ -407,7 +525,9 @@ class ToolSpec:
         """Validate the model's input, call the tool and convert its return value.
 
         Bad input and :class:`ToolError` become an error outcome the model can react to; any
-        other exception propagates (see :meth:`classify` for what the runtime does with it).
+        other exception propagates (see :meth:`classify` for what the runtime does with it),
+        a BaseException that is not an Exception as :class:`ToolCrashed`. Only the caller's own
+        cancellation propagates as such. A sync tool runs in a daemon thread.
         """
         if not isinstance(raw_input, dict):
             return ToolOutcome(
@@ -424,11 +544,21 @@ class ToolSpec:
             if self.is_async:
                 result = await self.fn(ctx, **kwargs)
             else:
-                result = await asyncio.to_thread(self.fn, ctx, **kwargs)
+                thread = f"tool-{self.name}-{ctx.run_id}"
+                result = await _in_daemon_thread(thread, self.fn, ctx, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result
         except ToolError as err:
             return ToolOutcome(str(err) or f"tool {self.name} failed", is_error=True)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own cancellation (a timeout, a lost lease, a cancelled run)
+            raise ToolCrashed(self.name, exc) from exc
+        except Exception:
+            raise
+        except BaseException as exc:  # sys.exit(), KeyboardInterrupt, ...: contained
+            raise ToolCrashed(self.name, exc) from exc
         content, value = _render(result)
         return ToolOutcome(content, is_error=False, value=value)
 
@@ -526,6 +656,7 @@ def tool(
     retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
     compensate: str | None = None,
     on_error: OnError = "result",
+    timeout: float | None = None,
     registry: ToolRegistry | None = None,
 ) -> F: ...
 
@@ -540,6 +671,7 @@ def tool(
     retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
     compensate: str | None = None,
     on_error: OnError = "result",
+    timeout: float | None = None,
     registry: ToolRegistry | None = None,
 ) -> Callable[[F], F]: ...
 
@@ -553,13 +685,15 @@ def tool(
     retryable: tuple[type[BaseException], ...] | type[BaseException] = (),
     compensate: str | None = None,
     on_error: OnError = "result",
+    timeout: float | None = None,
     registry: ToolRegistry | None = None,
 ) -> F | Callable[[F], F]:
     """Declare a tool: ``@tool(kind="idempotent")``.
 
     The function is returned unchanged (still callable directly, e.g. in unit tests); its
     :class:`ToolSpec` is registered in ``registry`` (default: :data:`default_registry`) and
-    reachable with :func:`tool_spec`.
+    reachable with :func:`tool_spec`. ``timeout`` (seconds) bounds each call; without it the
+    worker's --tool-timeout applies.
     """
 
     def decorate(f: F) -> F:
@@ -571,6 +705,7 @@ def tool(
             retryable=retryable,
             compensate=compensate,
             on_error=on_error,
+            timeout=timeout,
         )
         (registry if registry is not None else default_registry).register(spec)
         setattr(f, _SPEC_ATTR, spec)

@@ -9,6 +9,7 @@ the irreversible one has no such protection at all.
 from __future__ import annotations
 
 import os
+import time
 
 import psycopg
 
@@ -20,6 +21,9 @@ CREATE TABLE IF NOT EXISTS ledger_attempts (
     key text NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE IF NOT EXISTS ledger_effects (
     id serial PRIMARY KEY, tool text NOT NULL, run_id text NOT NULL, key text UNIQUE,
+    at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE IF NOT EXISTS ledger_fenced (
+    id serial PRIMARY KEY, run_id text NOT NULL, pid int NOT NULL,
     at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE IF NOT EXISTS ledger_state (
     run_id text NOT NULL, tool text NOT NULL, value text NOT NULL, PRIMARY KEY (run_id, tool));
@@ -122,8 +126,9 @@ def hog(ctx: ToolContext, megabytes: int, every_attempt: bool = False) -> str:
     """Hold memory, to be OOM-killed (the e2e tier): on the call's first attempt only, or on
     every attempt. The attempt is recorded (committed) before the allocation."""
     with _connect() as conn:
-        row = conn.execute("SELECT count(*) FROM ledger_attempts WHERE key = %s",
-                           (ctx.idempotency_key,)).fetchone()
+        row = conn.execute(
+            "SELECT count(*) FROM ledger_attempts WHERE key = %s", (ctx.idempotency_key,)
+        ).fetchone()
         _attempt(conn, ctx)
     if every_attempt or not (row and row[0]):
         block = bytearray(megabytes * 1024 * 1024)
@@ -164,3 +169,31 @@ def unbook(ctx: ToolContext, item: str) -> str:
             (f"unbook:{item}", ctx.run_id, ctx.idempotency_key),
         )
     return f"unbooked {item}"
+
+
+@tool(kind="irreversible")
+def wire_transfer(ctx: ToolContext, amount: int) -> str:
+    """Wire money (irreversible). On its first attempt it waits for the bank (up to 120 s),
+    checking ctx.lease_valid() as a cooperative long call should, and stops at the fence
+    (recording that it saw it) instead of sending."""
+    with _connect() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM ledger_attempts WHERE key = %s", (ctx.idempotency_key,)
+        ).fetchone()
+        first = row is not None and row[0] == 0
+        _attempt(conn, ctx)
+        if first:
+            deadline = time.monotonic() + 120
+            while ctx.lease_valid() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not ctx.lease_valid():
+                conn.execute(
+                    "INSERT INTO ledger_fenced (run_id, pid) VALUES (%s, %s)",
+                    (ctx.run_id, os.getpid()),
+                )
+                ctx.check_lease()  # raises: this worker must not send the money
+        conn.execute(
+            "INSERT INTO ledger_effects (tool, run_id, key) VALUES ('wire_transfer', %s, NULL)",
+            (ctx.run_id,),
+        )
+    return f"sent {amount}"

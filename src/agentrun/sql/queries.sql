@@ -254,6 +254,17 @@ ON CONFLICT (run_id, seq, call_index) DO UPDATE
  WHERE tool_effect.state = 'intent' AND EXCLUDED.state = 'done'
 RETURNING state;
 
+-- begin_tool_call --
+-- Marks the call a worker is about to invoke (see migration 0005): if the process dies inside
+-- it, the next claim blames this run and hands its co-located runs over. Fenced, so it is also
+-- the lease check right before the call; it renews the lease.
+UPDATE agent_run
+   SET tool_call = %(tool_call)s::jsonb || jsonb_build_object('started_at', now()),
+       lease_until = now() + make_interval(secs => %(ttl)s)
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
 -- wait_for_approval --
 -- The run stops and waits for a human; its lease is given up (and the attempt with it: waiting is
 -- not failing), so no worker holds a run nobody can advance.
