@@ -576,7 +576,7 @@ async def test_a_sigstopped_worker_inside_a_tool_call_is_fenced_and_commits_noth
     finally:
         w1.signal(signal.SIGCONT)
     reason = waiting.wait_reason or ""
-    assert reason.startswith("outcome unknown: wire_transfer (step 0)"), reason
+    assert reason.startswith("outcome unknown: wire_transfer (step 0, attempt 1)"), reason
     assert "worker w1 may still be running it until" in reason, reason
     assert "plus the tool's 60 s timeout" in reason, reason
     assert waiting.error is not None and "while tool wire_transfer" in waiting.error

@@ -109,20 +109,23 @@ async def test_a_tool_that_kills_its_worker_is_blamed_and_its_neighbours_lose_no
     workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
     killer, _ = await store.create_run("use quit_worker.", agent("quit_worker"), max_attempts=2)
     neighbour, _ = await store.create_run("use echo.", agent("echo"), max_attempts=2)
-    for name in ("w1", "w2"):
+    # Three deaths: the first claim committed the killer's model turn, which restores its
+    # attempt budget once (a run that progresses is not a poison run); the next two committed
+    # nothing, and maxAttempts 2 dead-letters it at the fourth claim.
+    for name in ("w1", "w2", "w3"):
         w = workers.start(name, tools=TOOLS, extra=["--concurrency", "2"])
         assert w.wait(60) == 7, w.output()[-2000:]
-    workers.start("w3", tools=TOOLS, extra=["--concurrency", "2"])
+    workers.start("w4", tools=TOOLS, extra=["--concurrency", "2"])
     dead = await wait_run(store, killer.id, lambda r: r.finished, 30)
     assert dead.status == "dead_letter"
-    # The dead letter's last error is the one the previous claim recorded: the first death.
+    # The dead letter names the death that ended it: the last worker the tool took down.
     assert dead.error is not None and dead.error.endswith(
-        "last error: worker w1 died or stopped responding while tool quit_worker "
+        "last error: worker w3 died or stopped responding while tool quit_worker "
         "(step 0, call 0) was running"
     ), dead.error
     ok = await wait_run(store, neighbour.id, lambda r: r.finished, 30)
     assert ok.status == "succeeded", ok.error
-    assert ok.attempt == 1  # two worker deaths that were not its doing did not count
+    assert ok.attempt == 1  # three worker deaths that were not its doing did not count
 
 
 async def test_a_call_past_its_timeout_is_a_failed_call(

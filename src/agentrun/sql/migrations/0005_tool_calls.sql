@@ -38,6 +38,7 @@ CREATE FUNCTION agentrun_tool_loss_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     mark jsonb := OLD.tool_call;
+    blame text;
 BEGIN
     IF mark IS NOT NULL
        AND mark ->> 'worker' = OLD.lease_owner
@@ -45,11 +46,13 @@ BEGIN
        AND OLD.next_seq <= (mark ->> 'step')::int THEN
         -- This run's call was running when its worker died: blame it.
         NEW.tool_call := mark || jsonb_build_object('lease_until', OLD.lease_until);
-        IF NEW.status = 'running' THEN  -- a dead letter keeps the claim's own message
-            NEW.error := format('worker %s died or stopped responding while tool %s '
-                                '(step %s, call %s) was running',
-                                OLD.lease_owner, mark ->> 'tool', mark ->> 'seq',
-                                mark ->> 'call_index');
+        blame := format('worker %s died or stopped responding while tool %s (step %s, call %s) '
+                        'was running', OLD.lease_owner, mark ->> 'tool', mark ->> 'seq',
+                        mark ->> 'call_index');
+        IF NEW.status = 'running' THEN
+            NEW.error := blame;
+        ELSE  -- a dead letter keeps the claim's message, naming this death as the last error
+            NEW.error := regexp_replace(NEW.error, 'last error: .*$', 'last error: ' || blame);
         END IF;
         DELETE FROM worker_loss WHERE lost_at < now() - interval '1 day';
         INSERT INTO worker_loss (worker, run_id, tool_call)
