@@ -63,6 +63,12 @@ class PendingApproval(BaseModel):
         max_length=STATUS_LINE,
         description="Why it waits (approval required, or outcome unknown).",
     )
+    attempt: int | None = Field(
+        None,
+        description="For an outcome-unknown wait, the execution attempt the decision is about: "
+        "one decision buys one more attempt, so a call whose approved re-run also died waits "
+        "again on the same seq with the next attempt.",
+    )
 
 
 class Condition(BaseModel):

@@ -225,6 +225,7 @@ def status_for(
             "tool": str(call.get("tool")),
             "arguments": summarise_arguments(call.get("input")),
             "reason": one_line(run.wait_reason or "", 300),
+            "attempt": int(call["attempt"]) if call.get("attempt") is not None else None,
         }
         if call
         else None,
@@ -268,13 +269,16 @@ class Snapshot:
     epoch: int
     worker: str | None
     attempt: int
-    #: The step a waiting run waits on: a new wait (approve, claim, the next irreversible call
-    #: inside one flush window) shows only as a different seq.
+    #: The step a waiting run waits on, and the attempt of an outcome-unknown wait: a new wait
+    #: (approve, claim, the next irreversible call, or the same call's approved re-run dying
+    #: again, inside one flush window) shows only as a different seq or attempt.
     pending_seq: int | None = None
+    pending_attempt: int | None = None
 
     @classmethod
     def of(cls, run: Run) -> Snapshot:
-        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt, _pending_seq(run))
+        seq, attempt = _pending(run)
+        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt, seq, attempt)
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> Snapshot | None:
@@ -288,12 +292,15 @@ class Snapshot:
             status.get("worker"),
             int(status.get("attempt") or 0),
             int(pending["seq"]) if pending.get("seq") is not None else None,
+            int(pending["attempt"]) if pending.get("attempt") is not None else None,
         )
 
 
-def _pending_seq(run: Run) -> int | None:
+def _pending(run: Run) -> tuple[int | None, int | None]:
     call = run.pending_call if run.status == "waiting_approval" else None
-    return int(call["seq"]) if call and call.get("seq") is not None else None
+    if not call or call.get("seq") is None:
+        return None, None
+    return int(call["seq"]), (int(call["attempt"]) if call.get("attempt") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -335,6 +342,7 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
             out.append(Event("Normal", Reason.CLAIMED, f"claimed by {new.worker}"))
     waits_anew = new.status == "waiting_approval" and (
         old is None or old.status != new.status or old.pending_seq != new.pending_seq
+        or old.pending_attempt != new.pending_attempt
     )
     if waits_anew:
         call = run.pending_call or {}

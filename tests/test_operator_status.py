@@ -114,3 +114,20 @@ def test_a_new_approval_wait_inside_one_flush_window_is_its_own_event() -> None:
     assert "approve=3" in transitions(first, again)[0].message
     same = Snapshot.of(again)
     assert reasons(same, again) == []
+
+
+def test_an_unknown_outcome_of_an_approved_re_run_is_a_new_wait_on_the_same_step() -> None:
+    # F2: one decision buys one attempt. Approve attempt 1 of step 0 -> the re-run's worker dies
+    # -> the run waits again on step 0 for attempt 2, all between two flushes: only the attempt
+    # differs, and it must be an Event of its own (the on-call has a new decision to make).
+    call = {"seq": 0, "tool": "drop_table", "input": {}, "stage": "outcome_unknown"}
+    first = run(status="waiting_approval", lease_epoch=1, attempt=1, next_seq=1,
+                pending_call={**call, "attempt": 1})
+    again = run(status="waiting_approval", lease_epoch=3, attempt=2, next_seq=1,
+                pending_call={**call, "attempt": 2})
+    assert reasons(Snapshot.of(first), again) == [("Warning", "WaitingForApproval")]
+    assert reasons(Snapshot.of(again), again) == []
+    status = status_for(again, db_up=True, previous=None, generation=1)
+    assert status["pendingApproval"]["attempt"] == 2
+    # An operator restart reads the attempt back from .status: no Event repeated.
+    assert reasons(Snapshot.from_status(status), again) == []
