@@ -517,6 +517,8 @@ def test_worker_pods(example: list[Doc]) -> None:
         "AGENTRUN_DRAIN_GRACE": "120",
         "AGENTRUN_LEASE_TTL": "30",
         "AGENTRUN_MODEL_DEADLINE": "600",
+        "AGENTRUN_TOOL_TIMEOUT": "300",
+        "AGENTRUN_PROGRESS_BUDGET": "900",
         "AGENTRUN_HEALTH_PORT": "8080",
         "AGENTRUN_LOG_FORMAT": "json",
         "AGENTRUN_LIVENESS_THRESHOLD": "120",
