@@ -37,6 +37,15 @@ def _attempt(conn: psycopg.Connection[tuple[object, ...]], ctx: ToolContext) -> 
     )
 
 
+def _effect(conn: psycopg.Connection[tuple[object, ...]], ctx: ToolContext, what: str) -> None:
+    """The effect, once per idempotency key: what a non-idempotent tool's target must do."""
+    conn.execute(
+        "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
+        "ON CONFLICT (key) DO NOTHING",
+        (what, ctx.run_id, ctx.idempotency_key),
+    )
+
+
 def _connect() -> psycopg.Connection[tuple[object, ...]]:
     return psycopg.connect(os.environ["AGENTRUN_DATABASE_URL"], autocommit=True)
 
@@ -92,11 +101,7 @@ def reserve(ctx: ToolContext, item: str) -> str:
     """Reserve an item (undone by release)."""
     with _connect() as conn:
         _attempt(conn, ctx)
-        conn.execute(
-            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
-            "ON CONFLICT (key) DO NOTHING",
-            (f"reserve:{item}", ctx.run_id, ctx.idempotency_key),
-        )
+        _effect(conn, ctx, f"reserve:{item}")
     return f"reserved {item}"
 
 
@@ -105,11 +110,7 @@ def release(ctx: ToolContext, item: str) -> str:
     """Release a reserved item (the compensation of reserve)."""
     with _connect() as conn:
         _attempt(conn, ctx)
-        conn.execute(
-            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
-            "ON CONFLICT (key) DO NOTHING",
-            (f"release:{item}", ctx.run_id, ctx.idempotency_key),
-        )
+        _effect(conn, ctx, f"release:{item}")
     return f"released {item}"
 
 
@@ -147,11 +148,7 @@ def book(ctx: ToolContext, item: str) -> str:
     """Book an item (undone by unbook, which waits on the test's gate)."""
     with _connect() as conn:
         _attempt(conn, ctx)
-        conn.execute(
-            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
-            "ON CONFLICT (key) DO NOTHING",
-            (f"book:{item}", ctx.run_id, ctx.idempotency_key),
-        )
+        _effect(conn, ctx, f"book:{item}")
     return f"booked {item}"
 
 
@@ -163,11 +160,7 @@ def unbook(ctx: ToolContext, item: str) -> str:
         _attempt(conn, ctx)
         conn.execute("SELECT pg_advisory_lock(%s)", (GATE_LOCK,))
         conn.execute("SELECT pg_advisory_unlock(%s)", (GATE_LOCK,))
-        conn.execute(
-            "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s) "
-            "ON CONFLICT (key) DO NOTHING",
-            (f"unbook:{item}", ctx.run_id, ctx.idempotency_key),
-        )
+        _effect(conn, ctx, f"unbook:{item}")
     return f"unbooked {item}"
 
 
