@@ -338,7 +338,8 @@ def test_the_docs_examples_run_as_written(
             capture_output=True, text=True, timeout=300, cwd=ROOT,
             env={**os.environ, **workers.env},
         )
-        assert res.returncode == 0, f"docs/{doc}:\n{block}\n{res.stderr}\n{workers.procs[0].output()[-3000:]}"
+        worker_log = workers.procs[0].output()[-3000:]
+        assert res.returncode == 0, f"docs/{doc}:\n{block}\n{res.stderr}\n{worker_log}"
         outputs.append(res.stdout)
     if doc == "client.md":
         first, second = outputs
