@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,14 @@ from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, echo_scenario, wai
 import agentrun.client as client_module
 from agentrun import demo_tools
 from agentrun.client import AsyncClient, Client
-from agentrun.errors import ConfigError, RunNotFound, RunUnsuccessful, WaitTimeout
+from agentrun.errors import (
+    AgentrunError,
+    ConfigError,
+    DatabaseUnavailable,
+    RunNotFound,
+    RunUnsuccessful,
+    WaitTimeout,
+)
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.scenario import builtin_scenario_path
 from agentrun.store import Store
@@ -268,6 +276,31 @@ async def test_wait_rereads_the_run_when_its_listen_connection_comes_back(
             admin.execute(allow.format(sql.Identifier(dbname), sql.SQL("true")))
     ended = await waiting
     assert ended.status == "cancelled"
+
+
+async def test_the_database_is_found_as_the_cli_finds_it(
+    database_url: str, empty_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTRUN_DATABASE_URL", database_url)
+    async with AsyncClient() as from_env:
+        run = await from_env.submit("found through AGENTRUN_DATABASE_URL", AGENT)
+    async with AsyncClient(database_url) as given:
+        assert (await given.get(run.id)).task == "found through AGENTRUN_DATABASE_URL"
+    # The argument wins over the environment; a database other than the embedded one is not
+    # migrated behind anyone's back.
+    with pytest.raises(ConfigError, match="run agentrun migrate"):
+        async with AsyncClient(empty_database_url):
+            pass
+    monkeypatch.setenv("AGENTRUN_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/agentrun")
+    with pytest.raises(DatabaseUnavailable, match="cannot connect to PostgreSQL at"):
+        async with AsyncClient():
+            pass
+    with pytest.raises(DatabaseUnavailable):
+        Client()
+    # The failed Client stopped the loop thread it had started.
+    assert "agentrun-client" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(AgentrunError, match="the client is not open"):
+        await AsyncClient(database_url).get(run.id)
 
 
 def test_the_sync_client_from_a_plain_function(

@@ -250,7 +250,9 @@ class AsyncClient:
             async with asyncio.timeout(timeout):
                 run = await self._until_finished(seen)
         except TimeoutError:
-            raise WaitTimeout(str(seen[0].id), seen[0].status, timeout or 0.0) from None
+            if timeout is None:  # not ours: no limit was set
+                raise
+            raise WaitTimeout(str(seen[0].id), seen[0].status, timeout) from None
         if until == "succeeded" and run.status != "succeeded":
             raise RunUnsuccessful(run)
         return run
