@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -338,6 +340,63 @@ async def test_the_sync_client_from_inside_a_running_event_loop(
         workers.start("w1")
         assert client.result(run.id, timeout=60) == "All 2 turns done."
         assert client.get(run.id).status == "succeeded"
+
+
+INTERRUPTED_WAIT = """
+import sys
+from agentrun.client import Client
+
+with Client() as client:
+    try:
+        client.wait(sys.argv[1])
+    except KeyboardInterrupt:  # as Jupyter's interrupt: the session goes on
+        print("interrupted", flush=True)
+        sys.stdin.readline()  # until the test has looked at the database
+"""
+
+
+def until(pred: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_in_a_sync_wait_cancels_the_wait_and_closes_its_listen(
+    database_url: str, admin_url: str, tmp_path: Path
+) -> None:
+    with Client(database_url) as client:
+        run = client.submit("never claimed", AGENT, pool="nobody")
+    dbname = conninfo_to_dict(database_url)["dbname"]
+
+    def listeners() -> int:
+        with psycopg.connect(admin_url) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                " AND query LIKE 'LISTEN %%'",
+                (dbname,),
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_WAIT, str(run.id)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AGENTRUN_DATABASE_URL": database_url}, cwd=tmp_path,
+    )
+    try:
+        until(lambda: listeners() == 1 or proc.poll() is not None, 30, "the wait")
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "interrupted\n", proc.communicate()
+        # The process lives on; the cancelled wait closed its LISTEN connection.
+        until(lambda: listeners() == 0, 30, "the LISTEN connection to close")
+        proc.stdin.close()
+        assert proc.wait(30) == 0, proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 # -- docs/client.md ---------------------------------------------------------------------------
