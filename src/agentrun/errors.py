@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentrun.store import Run
+
 
 class AgentrunError(Exception):
     """Base class: the CLI prints ``str(err)`` on one line and exits non-zero."""
@@ -53,3 +58,26 @@ class DuplicateStep(AgentrunError):
         super().__init__(f"run {run_id}: step {seq} already exists")
         self.run_id = run_id
         self.seq = seq
+
+
+class RunUnsuccessful(AgentrunError):
+    """A run awaited to succeed ended otherwise (failed, cancelled, dead_letter). ``run`` is the
+    run as it ended: its ``status`` and ``error`` say why."""
+
+    def __init__(self, run: Run) -> None:
+        why = f": {run.error}" if run.error else ""
+        super().__init__(f"run {run.id} ended {run.status}{why}")
+        self.run = run
+
+
+class WaitTimeout(AgentrunError, TimeoutError):
+    """A wait for a run ran out of time; the run goes on. Also a :class:`TimeoutError`."""
+
+    def __init__(self, run_id: str, status: str, timeout: float) -> None:
+        super().__init__(
+            f"run {run_id} is still {status} after {timeout:g} s (the wait timed out; the run "
+            "goes on)"
+        )
+        self.run_id = run_id
+        self.status = status
+        self.timeout = timeout

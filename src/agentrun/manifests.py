@@ -287,12 +287,10 @@ def resolve(run: AgentRunManifest, agents: dict[str, AgentSpec]) -> ResolvedRun:
 
 def load_manifests(paths: list[str]) -> list[ResolvedRun]:
     """Read Agent and AgentRun documents from YAML files; resolve each AgentRun's agent."""
-    agents: dict[str, AgentSpec] = {}
-    runs: list[AgentRunManifest] = []
+    texts: list[tuple[str, str]] = []
     for path in paths:
         try:
-            text = Path(path).read_text(encoding="utf-8")
-            docs = [d for d in yaml.safe_load_all(text) if d is not None]
+            texts.append((path, Path(path).read_text(encoding="utf-8")))
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -301,6 +299,16 @@ def load_manifests(paths: list[str]) -> list[ResolvedRun]:
                 f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.end]!r}); "
                 "save it as UTF-8"
             ) from None
+    return load_manifest_texts(texts)
+
+
+def load_manifest_texts(texts: list[tuple[str, str]]) -> list[ResolvedRun]:
+    """:func:`load_manifests` of YAML texts already read: (where it came from, its text)."""
+    agents: dict[str, AgentSpec] = {}
+    runs: list[AgentRunManifest] = []
+    for path, text in texts:
+        try:
+            docs = [d for d in yaml.safe_load_all(text) if d is not None]
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         for i, doc in enumerate(docs):
@@ -324,5 +332,5 @@ def load_manifests(paths: list[str]) -> list[ResolvedRun]:
                 name = (doc.get("metadata") or {}).get("name", "?")
                 raise ConfigError(_fmt_errors(f"{where}: {kind} {name}", exc)) from None
     if not runs:
-        raise ConfigError(f"{', '.join(paths)}: no AgentRun document found")
+        raise ConfigError(f"{', '.join(p for p, _ in texts)}: no AgentRun document found")
     return [resolve(r, agents) for r in runs]
