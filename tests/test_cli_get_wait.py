@@ -19,8 +19,9 @@ import yaml
 from conftest import run_cli
 from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
 
-from agentrun.cli import EXIT_TIMEOUT, WAIT_EXIT_CODES, _HelpFormatter, build_parser
 from agentrun.store import K8sRef, Store
+
+# The exit codes of agentrun wait and submit --wait are a contract (docs/cli.md): literals here.
 
 MANIFEST = """\
 apiVersion: agentrun.dev/v1alpha1
@@ -144,7 +145,7 @@ async def test_wait_and_submit_wait_exit_non_zero_for_a_run_that_fails(
     await wait_for(lambda: listeners(database_url) >= 2, 30, "two LISTENing waiters")
     workers.start("w1")
     out, err = waiter.communicate(timeout=120)
-    assert waiter.returncode == WAIT_EXIT_CODES["failed"] == 4, err
+    assert waiter.returncode == 4, err
     assert out.strip() == f"run {rid} failed: maxSteps 2 reached without a final answer"
     out, err = finished.communicate(timeout=60)
     assert finished.returncode == 0, err  # --for finished: it ended, however
@@ -171,7 +172,7 @@ async def test_wait_on_a_cancelled_run_exits_5(
     await wait_for(lambda: listeners(database_url) >= 1, 30, "a LISTENing waiter")
     assert run_cli("cancel", rid, "--reason", "not today", env=env).returncode == 0
     out, err = waiter.communicate(timeout=60)
-    assert waiter.returncode == WAIT_EXIT_CODES["cancelled"] == 5, err
+    assert waiter.returncode == 5, err
     assert out.strip() == f"run {rid} cancelled: not today"
 
 
@@ -181,7 +182,7 @@ def test_wait_timeout_on_a_run_that_never_ends_exits_124(
     env = {"AGENTRUN_DATABASE_URL": database_url}
     rid = submit(manifest(tmp_path, "never"), env)  # no worker: it never ends
     res = run_cli("wait", rid, "--timeout", "1", env=env)
-    assert res.returncode == EXIT_TIMEOUT == 124
+    assert res.returncode == 124
     assert res.stderr.strip() == f"agentrun: error: run {rid} has not ended after 1s (--timeout)"
     res = run_cli("submit", "-f", manifest(tmp_path, "never2"), "--wait", "--timeout", "1",
                   env=env)
@@ -270,6 +271,8 @@ async def test_submitted_runs_keep_their_name_and_runs_filters_by_namespace(
 
 
 def test_every_option_has_help_its_default_and_its_valid_values() -> None:
+    from agentrun.cli import _HelpFormatter, build_parser
+
     parser = build_parser()
     (subs,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, sp in subs.choices.items():
@@ -313,3 +316,30 @@ def test_bash_completion_completes_commands_options_and_their_values(tmp_path: P
     assert complete("agentrun", "runs", "-o", "") == ["table", "wide", "json", "yaml"]
     assert complete("agentrun", "logs", "RUN", "--f") == ["--follow"]
     assert "--timeout" in complete("agentrun", "submit", "--")
+
+
+async def test_wait_re_reads_the_run_when_its_listen_connection_comes_back(
+    tmp_path: Path, database_url: str, clis: Clis
+) -> None:
+    """The run ends while the waiter's LISTEN connection is gone (its backend terminated while
+    the waiter is SIGSTOPped): that notification is lost for good, and the re-read after the
+    reconnect is what sees the end."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "lost-note"), env)
+    waiter = clis.start("wait", rid)
+    await wait_for(lambda: listeners(database_url) >= 1, 30, "a LISTENing waiter")
+    waiter.send_signal(signal.SIGSTOP)
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE 'LISTEN %'"
+            ).fetchone()
+        assert row == (1,)
+        assert run_cli("cancel", rid, env=env).returncode == 0  # notified to nobody
+    finally:
+        waiter.send_signal(signal.SIGCONT)
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 5, err
+    assert out.strip() == f"run {rid} cancelled: cancelled"
+    assert "lost the database's notifications" in err and "listening again" in err
