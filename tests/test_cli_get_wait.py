@@ -341,5 +341,5 @@ async def test_wait_re_reads_the_run_when_its_listen_connection_comes_back(
         waiter.send_signal(signal.SIGCONT)
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 5, err
-    assert out.strip() == f"run {rid} cancelled: cancelled"
+    assert out.strip() == f"run {rid} cancelled"
     assert "lost the database's notifications" in err and "listening again" in err

@@ -248,20 +248,27 @@ class RunChanges:
                 await self._task
 
     async def _listen(self) -> None:
+        lost = False  # said once an outage, not at every attempt to listen again
+
+        def listening() -> None:
+            nonlocal lost
+            lost = False
+            self._wake.set()
+
         while True:
             try:
-                async for n in self.store.listen(
-                    [CHANNEL_RUN_CHANGED], on_listening=self._wake.set
-                ):
+                async for n in self.store.listen([CHANNEL_RUN_CHANGED], on_listening=listening):
                     payload = n.json()
                     if isinstance(payload, dict) and payload.get("id") == self.run_id:
                         self._wake.set()
             except (psycopg.Error, OSError) as exc:
-                print(
-                    f"agentrun: run {self.run_id}: lost the database's notifications "
-                    f"({' '.join(str(exc).split())[:200]}); listening again",
-                    file=sys.stderr,
-                )
+                if not lost:
+                    print(
+                        f"agentrun: run {self.run_id}: lost the database's notifications "
+                        f"({' '.join(str(exc).split())[:200]}); listening again",
+                        file=sys.stderr,
+                    )
+                lost = True
             await asyncio.sleep(RELISTEN_DELAY)
 
     async def changed(self, within: float | None) -> bool:
@@ -316,7 +323,8 @@ def _wait_code(run: Run | None, awaited: str) -> int:
 
 def _end_line(run: Run) -> str:
     what = run.result if run.status == "succeeded" else run.error
-    return f"run {run.id} {run.status}" + (f": {short(what, 200)}" if what else "")
+    said = what and what != run.status  # not "cancelled: cancelled"
+    return f"run {run.id} {run.status}" + (f": {short(what, 200)}" if said else "")
 
 
 def _check_timeout(timeout: float | None) -> None:
