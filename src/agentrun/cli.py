@@ -1033,16 +1033,6 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def _all_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    out: list[argparse.Action] = []
-    for action in p._actions:
-        out.append(action)
-        if isinstance(action, argparse._SubParsersAction):
-            for sp in dict.fromkeys(action.choices.values()):
-                out.extend(_all_actions(sp))
-    return out
-
-
 #: Options whose value is a file or a Python file (completed as file names).
 _FILE_OPTIONS = frozenset({"--filename", "--tools", "--pools-file"})
 
