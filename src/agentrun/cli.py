@@ -3,6 +3,9 @@
 Every command that touches the store finds the database through ``AGENTRUN_DATABASE_URL``, or the
 embedded PostgreSQL when it is unset. Errors are one line on stderr and a non-zero exit:
 2 for bad input or configuration, 3 when the database cannot be reached, 1 otherwise.
+``agentrun wait`` and ``agentrun submit --wait`` also exit with the run's outcome
+(:data:`WAIT_EXIT_CODES`, docs/cli.md): 0 when the awaited condition holds, 4 failed,
+5 cancelled, 6 dead letter, 124 when ``--timeout`` ran out first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import psycopg
 
@@ -29,7 +32,17 @@ if TYPE_CHECKING:
     import anthropic
 
 from agentrun import __version__
-from agentrun.cli_format import age, run_to_json, short, step_to_json, summarize_payload, table
+from agentrun.cli_format import (
+    age,
+    describe_run,
+    run_to_json,
+    short,
+    step_line,
+    step_to_json,
+    summarize_payload,
+    table,
+    to_yaml,
+)
 from agentrun.config import (
     CONTROL_PORT_ENV,
     DATABASE_URL_ENV,
@@ -47,7 +60,16 @@ from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
-from agentrun.store import Store, check_connect, connect
+from agentrun.store import (
+    CHANNEL_RUN_CHANGED,
+    ManifestName,
+    Run,
+    RunStatus,
+    Store,
+    check_connect,
+    connect,
+    parse_run_id,
+)
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, default_registry, load_tool_modules
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
@@ -89,9 +111,36 @@ async def cmd_runs(args: argparse.Namespace) -> int:
     if not 1 <= args.limit <= MAX_LIST:
         raise ConfigError(f"--limit {args.limit}: must be between 1 and {MAX_LIST} (default 100)")
     async with await _open_store() as store:
-        runs = await store.list_runs(pool=args.pool, status=args.status, limit=args.limit)
+        runs = await store.list_runs(
+            pool=args.pool, status=args.status, limit=args.limit, namespace=args.namespace
+        )
     if args.output == "json":
         print(json.dumps([run_to_json(r) for r in runs], indent=2))
+        return 0
+    if args.output == "yaml":
+        print(to_yaml([run_to_json(r) for r in runs]))
+        return 0
+    if args.output == "wide":
+        wide = [
+            [
+                str(r.id),
+                r.k8s_namespace or "-",
+                r.k8s_name or "-",
+                r.pool,
+                r.status,
+                str(r.next_seq),
+                str(r.attempt),
+                r.model,
+                f"{r.input_tokens}/{r.output_tokens}",
+                r.lease_owner or "-",
+                age(r.created_at),
+                short(r.wait_reason or r.error or r.result, 100),
+            ]
+            for r in runs
+        ]
+        headers = ["ID", "NAMESPACE", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL",
+                   "TOKENS(IN/OUT)", "WORKER", "AGE", "MESSAGE"]
+        print(table(headers, wide))
         return 0
     rows = [
         [
@@ -120,6 +169,10 @@ async def cmd_steps(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps([step_to_json(s) for s in steps], indent=2))
         return 0
+    if args.output == "yaml":
+        print(to_yaml([step_to_json(s) for s in steps]))
+        return 0
+    wide = args.output == "wide"
     rows = [
         [
             str(s.seq),
@@ -127,12 +180,209 @@ async def cmd_steps(args: argparse.Namespace) -> int:
             s.created_at.strftime("%H:%M:%S.%f")[:-3],
             s.worker,
             str(s.lease_epoch),
+            *([s.request_id or "-"] if wide else []),
             summarize_payload(s.payload),
         ]
         for s in steps
     ]
     print(f"run {run.id}: {run.status}, {len(steps)} steps, attempt {run.attempt}")
-    print(table(["SEQ", "KIND", "TIME", "WORKER", "EPOCH", "SUMMARY"], rows))
+    headers = ["SEQ", "KIND", "TIME", "WORKER", "EPOCH", *(["REQUEST"] if wide else []), "SUMMARY"]
+    print(table(headers, rows))
+    return 0
+
+
+# -- get, wait, logs ---------------------------------------------------------------------------
+
+#: The exit code of ``agentrun wait`` / ``submit --wait`` for a run that ended otherwise than
+#: awaited (the awaited end is 0), and for a ``--timeout`` that ran out (as coreutils timeout).
+WAIT_EXIT_CODES: dict[str, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6}
+EXIT_TIMEOUT = 124
+#: The values of ``--for``: "succeeded" (exit 0 only if the run succeeds) or "finished" (exit 0
+#: whatever its end).
+WAIT_FOR = ("succeeded", "finished")
+#: Every run status (the choices of ``runs --status``).
+RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
+#: After the LISTEN connection drops, how long before it is opened again (and the run re-read).
+RELISTEN_DELAY = 1.0
+#: ``logs -f``: how often the step log is read. A committed step sends no notification (by
+#: design: a NOTIFY in every append halves append throughput, see migration 0001), so new steps
+#: are read on this tick; a status change (the run's end among them) arrives by LISTEN at once.
+FOLLOW_INTERVAL = 0.5
+
+
+def _print_run(run: Run, output: str) -> None:
+    if output == "json":
+        print(json.dumps(run_to_json(run), indent=2))
+    elif output == "yaml":
+        print(to_yaml(run_to_json(run)))
+    else:
+        print(describe_run(run, full=output == "wide"))
+
+
+async def cmd_get(args: argparse.Namespace) -> int:
+    async with await _open_store() as store:
+        run = await store.get_run(args.run)  # RunNotFound for an unknown id
+    _print_run(run, args.output)
+    return 0
+
+
+class RunChanges:
+    """Wakes whoever follows one run when it may have changed: once LISTEN on
+    agentrun_run_changed is in place (and again after every reconnect: the re-check that covers
+    what happened while nothing listened), and on every notification about the run."""
+
+    def __init__(self, store: Store, run_id: Any) -> None:
+        self.store = store
+        self.run_id = str(run_id)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RunChanges:
+        self._task = asyncio.create_task(self._listen())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _listen(self) -> None:
+        lost = False  # said once an outage, not at every attempt to listen again
+
+        def listening() -> None:
+            nonlocal lost
+            lost = False
+            self._wake.set()
+
+        while True:
+            try:
+                async for n in self.store.listen([CHANNEL_RUN_CHANGED], on_listening=listening):
+                    payload = n.json()
+                    if isinstance(payload, dict) and payload.get("id") == self.run_id:
+                        self._wake.set()
+            except (psycopg.Error, OSError) as exc:
+                if not lost:
+                    print(
+                        f"agentrun: run {self.run_id}: lost the database's notifications "
+                        f"({' '.join(str(exc).split())[:200]}); listening again",
+                        file=sys.stderr,
+                    )
+                lost = True
+            await asyncio.sleep(RELISTEN_DELAY)
+
+    async def changed(self, within: float | None) -> bool:
+        """Wait up to ``within`` seconds (None: for ever) for a wake-up; False: none came."""
+        assert self._task is not None, "use RunChanges as an async context manager"
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, self._task}, timeout=within, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+        if self._task in done:  # the listener died of something it does not retry
+            self._task.result()
+        if waiter not in done:
+            return False
+        self._wake.clear()  # before the caller re-reads: a change after this wakes it again
+        return True
+
+
+async def wait_for_end(
+    store: Store, run_id: Any, within: float | None, *, tick: float | None = None,
+    on_tick: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> Run | None:
+    """The run once it has ended, or None when ``within`` seconds passed first (None: no
+    limit). The run is
+    re-read when a notification about it arrives (and when LISTEN is (re)established), not on a
+    poll; ``on_tick`` runs every ``tick`` seconds and after every re-read."""
+    loop = asyncio.get_running_loop()
+    deadline = None if within is None else loop.time() + within
+    async with RunChanges(store, run_id) as changes:
+        while True:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            wait = remaining if tick is None else min(tick, remaining or tick)
+            woken = await changes.changed(wait)
+            run = await store.get_run(run_id) if woken else None
+            if on_tick is not None:
+                await on_tick()
+            if run is not None and run.finished:
+                return run
+
+
+def _wait_code(run: Run | None, awaited: str) -> int:
+    if run is None:
+        return EXIT_TIMEOUT
+    if run.status == "succeeded" or awaited == "finished":
+        return 0
+    return WAIT_EXIT_CODES[run.status]
+
+
+def _end_line(run: Run) -> str:
+    what = run.result if run.status == "succeeded" else run.error
+    said = what and what != run.status  # not "cancelled: cancelled"
+    return f"run {run.id} {run.status}" + (f": {short(what, 200)}" if said else "")
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(
+            f"--timeout {timeout:g}: must be more than 0 seconds (leave it out to wait as long "
+            "as the run takes)"
+        )
+
+
+async def cmd_wait(args: argparse.Namespace) -> int:
+    _check_timeout(args.timeout)
+    rid = parse_run_id(args.run)
+    async with await _open_store() as store:
+        await store.get_run(rid)  # RunNotFound at once, not at the timeout
+        run = await wait_for_end(store, rid, args.timeout)
+    if run is None:
+        print(
+            f"agentrun: error: run {rid} has not ended after {args.timeout:g}s (--timeout)",
+            file=sys.stderr,
+        )
+        return EXIT_TIMEOUT
+    if args.output == "text":
+        print(_end_line(run))
+    else:
+        _print_run(run, args.output)
+    return _wait_code(run, args.awaited)
+
+
+async def cmd_logs(args: argparse.Namespace) -> int:
+    rid = parse_run_id(args.run)
+
+    def show(steps: Sequence[Any]) -> None:
+        for s in steps:
+            if args.output == "json":  # JSON Lines: one step an object a line, as it commits
+                print(json.dumps(step_to_json(s), ensure_ascii=False))
+            else:
+                print(step_line(s, wide=args.output == "wide"))
+        sys.stdout.flush()
+
+    async with await _open_store() as store:
+        await store.get_run(rid)  # RunNotFound
+        printed = 0
+
+        async def more() -> None:
+            nonlocal printed
+            steps = await store.steps_from(rid, printed)
+            if steps:
+                show(steps)
+                printed = steps[-1].seq + 1
+
+        await more()
+        if not args.follow:
+            return 0
+        run = await wait_for_end(store, rid, None, tick=FOLLOW_INTERVAL, on_tick=more)
+        assert run is not None  # no timeout
+        await more()  # the steps committed before it ended and after the last tick
+    print(_end_line(run), file=sys.stderr)
     return 0
 
 
@@ -204,12 +454,21 @@ def _using_embedded() -> bool:
     return os.environ.get(DATABASE_URL_ENV) is None
 
 
+#: The namespace of a run submitted from a manifest that names none (as kubectl apply does in a
+#: context without one).
+DEFAULT_NAMESPACE = "default"
+
+
 async def cmd_submit(args: argparse.Namespace) -> int:
+    _check_timeout(args.timeout)
+    if args.timeout is not None and not args.wait:
+        raise ConfigError("--timeout: only with --wait (how long to wait for the runs to end)")
     resolved = load_manifests(args.filename)
     url = database_url(quiet=True)
     await check_connect(url)
     await ensure_schema(url, auto=_using_embedded())
     async with await Store.open(url, max_size=2) as store:
+        created: list[tuple[str, Run]] = []
         for r in resolved:
             run, _ = await store.create_run(
                 r.task,
@@ -218,12 +477,33 @@ async def cmd_submit(args: argparse.Namespace) -> int:
                 max_steps=r.max_steps,
                 max_attempts=r.max_attempts,
                 external_key=args.idempotency_key,
+                name=ManifestName(r.namespace or DEFAULT_NAMESPACE, r.name),
             )
-            if args.output == "json":
+            created.append((r.name, run))
+            if args.output == "json" and not args.wait:
                 print(json.dumps({"name": r.name, "id": str(run.id), "pool": run.pool}))
-            else:
-                print(run.id)
-    return 0
+            elif args.output == "id":
+                print(run.id, flush=True)  # at once: a script reads it while the run goes on
+        if not args.wait:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = None if args.timeout is None else loop.time() + args.timeout
+        code = 0
+        for name, run in created:  # one deadline for them all
+            left = None if deadline is None else max(deadline - loop.time(), 0.001)
+            ended = await wait_for_end(store, run.id, left)
+            this = _wait_code(ended, args.awaited)
+            code = code or this
+            if args.output == "json":
+                out = run_to_json(ended or await store.get_run(run.id))
+                print(json.dumps({"name": name, "id": str(run.id), "pool": run.pool,
+                                  **{k: out[k] for k in ("status", "result", "error")}}))
+            if ended is None:
+                print(f"agentrun: error: run {run.id} has not ended after {args.timeout:g}s "
+                      "(--timeout)", file=sys.stderr)
+            elif args.output == "id":
+                print(_end_line(ended), file=sys.stderr)
+    return code
 
 
 #: Where the servers bind: the worker's health server (WorkerSettings.health_host), kopf's
@@ -454,6 +734,14 @@ def cmd_fake_anthropic(argv: list[str]) -> int:
 
 # -- wiring --------------------------------------------------------------------------------------
 
+
+class _SubParser(argparse.ArgumentParser):
+    """A command's parser: its help says every option's default and valid values."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
@@ -462,24 +750,74 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentrun",
         description="Durable execution for long-running LLM agents. The database is "
         "AGENTRUN_DATABASE_URL, or an embedded PostgreSQL when it is unset.",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"agentrun {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = p.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_SubParser
+    )
 
     s = sub.add_parser("migrate", help="create or upgrade the schema (safe to run concurrently)")
     s.set_defaults(func=cmd_migrate)
 
-    s = sub.add_parser("runs", help="list runs")
-    s.add_argument("-o", "--output", choices=["table", "json"], default="table")
-    s.add_argument("--pool")
-    s.add_argument("--status")
-    s.add_argument("--limit", type=int, default=100)
+    s = sub.add_parser("runs", help="list runs, newest first")
+    s.add_argument("-o", "--output", choices=LIST_OUTPUTS, default="table", help=OUTPUT_HELP)
+    s.add_argument("--pool", help="only runs of this worker pool")
+    s.add_argument("--status", choices=RUN_STATUSES, help="only runs in this status")
+    s.add_argument(
+        "--namespace",
+        help="only runs of this namespace (the AgentRun's, or the submitted manifest's)",
+    )
+    s.add_argument("--limit", type=int, default=100, help=f"list at most this many (1-{MAX_LIST})")
     s.set_defaults(func=cmd_runs)
 
     s = sub.add_parser("steps", help="show a run's step log")
     s.add_argument("run", help="run id")
-    s.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    s.add_argument("-o", "--output", choices=LIST_OUTPUTS, default="table", help=OUTPUT_HELP)
     s.set_defaults(func=cmd_steps)
+
+    s = sub.add_parser(
+        "get", help="show one run: status, error, pending approval, tokens, attempt, worker"
+    )
+    s.add_argument("run", help="run id")
+    s.add_argument(
+        "-o", "--output", choices=GET_OUTPUTS, default="text",
+        help="text: one field a line; wide: the same with the task, result and error whole",
+    )
+    s.set_defaults(func=cmd_get)
+
+    s = sub.add_parser(
+        "wait",
+        help="wait for a run to end; exit 0 when it ends as awaited, 4 failed, 5 cancelled, "
+        f"6 dead letter, {EXIT_TIMEOUT} on --timeout",
+    )
+    s.add_argument("run", help="run id")
+    _wait_options(s)
+    s.add_argument(
+        "-o", "--output", choices=GET_OUTPUTS, default="text",
+        help="text: one line with the result or error; else the run, as agentrun get prints it",
+    )
+    s.set_defaults(func=cmd_wait)
+
+    s = sub.add_parser(
+        "logs", help="print a run's steps; with -f follow them as they commit until it ends"
+    )
+    s.add_argument("run", help="run id")
+    s.add_argument(
+        "-f", "--follow", action="store_true",
+        help="keep printing steps as they are committed; return when the run ends",
+    )
+    s.add_argument(
+        "-o", "--output", choices=("text", "wide", "json"), default="text",
+        help="text: a summary a step; wide: the whole payload; json: JSON Lines",
+    )
+    s.set_defaults(func=cmd_logs)
+
+    s = sub.add_parser(
+        "completion", help="print a shell completion script: source <(agentrun completion bash)"
+    )
+    s.add_argument("shell", choices=("bash",), help="the shell (zsh: load bashcompinit first)")
+    s.set_defaults(func=cmd_completion)
 
     s = sub.add_parser("submit", help="create runs from AgentRun (and Agent) manifests")
     s.add_argument(
@@ -490,11 +828,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="manifest file; repeat to pass the Agent an AgentRun refers to",
     )
     s.add_argument("--idempotency-key", help="create the run only once for this key")
-    s.add_argument("-o", "--output", choices=["id", "json"], default="id")
+    s.add_argument(
+        "-o", "--output", choices=["id", "json"], default="id",
+        help="id: each run's id a line; json: an object a line (with --wait: once it ends, "
+        "with its status, result and error)",
+    )
+    s.add_argument(
+        "--wait", action="store_true",
+        help="then wait for the runs to end, and exit as agentrun wait does",
+    )
+    _wait_options(s)
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("worker", help="run a worker process")
-    s.add_argument("--pool", default=_env("POOL", "default"))
+    s.add_argument(
+        "--pool", default=_env("POOL", "default"),
+        help="the pool whose runs this worker claims ($AGENTRUN_POOL)",
+    )
     s.add_argument(
         "--concurrency",
         type=int,
@@ -508,10 +858,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="module or .py file defining @tool functions; repeatable",
     )
-    s.add_argument("--lease-ttl", type=float, default=env_float("AGENTRUN_LEASE_TTL", 15))
-    s.add_argument("--poll-interval", type=float, default=env_float("AGENTRUN_POLL_INTERVAL", 5))
     s.add_argument(
-        "--drain-grace", type=float, default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE)
+        "--lease-ttl", type=float, default=env_float("AGENTRUN_LEASE_TTL", 15),
+        help="seconds a claim lasts unless renewed: how soon a dead worker's runs resume",
+    )
+    s.add_argument(
+        "--poll-interval", type=float, default=env_float("AGENTRUN_POLL_INTERVAL", 5),
+        help="seconds between claims when no notification wakes the worker",
+    )
+    s.add_argument(
+        "--drain-grace", type=float, default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE),
+        help="seconds a draining worker (SIGTERM) lets its runs reach a step boundary",
     )
     s.add_argument(
         "--liveness-threshold",
@@ -538,7 +895,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT),
         help="loopback-only port of POST /drain, for agentrun drain-local (-1: off)",
     )
-    s.add_argument("--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8))
+    s.add_argument(
+        "--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8),
+        help="retries of one model call after a transient failure",
+    )
     s.add_argument(
         "--model-deadline",
         type=float,
@@ -551,9 +911,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("AGENTRUN_TOOL_TIMEOUT", DEFAULT_TOOL_TIMEOUT),
         help="seconds a tool call may take, for tools that declare no @tool(timeout=...)",
     )
-    s.add_argument("--worker-id", default=_env("WORKER_ID", ""))
-    s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
-    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.add_argument(
+        "--worker-id", default=_env("WORKER_ID", ""),
+        help="this worker's name in leases and steps (default: host name and pid)",
+    )
+    _log_options(s)
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser(
@@ -589,8 +951,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics-port", type=int, help="/metrics port (default 9090; -1: off)")
     s.add_argument("--health-port", type=int, help="/healthz port (default 8080; -1: off)")
-    s.add_argument("--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"))
-    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    _log_options(s)
     s.set_defaults(func=cmd_operator)
 
     s = sub.add_parser("demo", help="the whole story on one machine: a run survives SIGKILL")
@@ -605,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=f"{name} the tool call a waiting run is stopped on")
         s.add_argument("run", help="run id")
         s.add_argument("seq", type=int, help="the step of the call (agentrun runs shows it)")
-        s.add_argument("--reason")
+        s.add_argument("--reason", help="why, recorded with the decision")
         s.add_argument("--by", help="who decides (default: $USER)")
         if name == "reject":
             s.add_argument(
@@ -617,7 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("cancel", help="cancel a run (stops an in-flight model call)")
     s.add_argument("run", help="run id")
-    s.add_argument("--reason")
+    s.add_argument("--reason", help="why, recorded as the run's error")
     s.add_argument(
         "--rollback",
         action="store_true",
@@ -626,6 +987,118 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_cancel)
 
     return p
+
+
+def _log_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"),
+        help="json: one object a line, for a log collector ($AGENTRUN_LOG_FORMAT)",
+    )
+    s.add_argument(
+        "--log-level", default=_env("LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR ($AGENTRUN_LOG_LEVEL)",
+    )
+
+
+#: ``-o`` of runs and steps, and of get and wait.
+LIST_OUTPUTS = ("table", "wide", "json", "yaml")
+GET_OUTPUTS = ("text", "wide", "json", "yaml")
+OUTPUT_HELP = "table; wide: more columns; json or yaml: every field"
+
+
+def _wait_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--for", dest="awaited", choices=WAIT_FOR, default="succeeded",
+        help="succeeded: exit 0 only if the run succeeds; finished: exit 0 however it ends",
+    )
+    s.add_argument(
+        "--timeout", type=float, metavar="SECONDS",
+        help=f"give up after this long, exit {EXIT_TIMEOUT} (default: wait as long as it takes)",
+    )
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help says its default (when it has one) and lists its valid values."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = (action.help or "").strip()
+        choices = action.choices
+        if choices is not None and not isinstance(action, argparse._SubParsersAction):
+            if not all(re.search(rf"\b{re.escape(str(c))}\b", text) for c in choices):
+                valid = ", ".join(str(c) for c in choices)
+                text = f"{text}; one of: {valid}" if text else f"one of: {valid}"
+        shown = action.default not in (None, False, argparse.SUPPRESS, [])
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+#: Options whose value is a file or a Python file (completed as file names).
+_FILE_OPTIONS = frozenset({"--filename", "--tools", "--pools-file"})
+
+
+def bash_completion(parser: argparse.ArgumentParser) -> str:
+    """A bash completion script for ``agentrun``, generated from its argparse tree: the
+    commands, each command's options, and the valid values of options that have choices."""
+    (subs,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands = list(subs.choices)
+    top = [o for a in parser._actions for o in a.option_strings]
+    cases: list[str] = []
+    for name, sp in subs.choices.items():
+        options: list[str] = []
+        values: list[str] = []
+        positional: list[str] = []
+        for a in sp._actions:
+            if not a.option_strings:
+                if a.choices:
+                    positional.extend(str(c) for c in a.choices)
+                continue
+            options.extend(a.option_strings)
+            pattern = "|".join(a.option_strings)
+            if a.choices:
+                words = " ".join(str(c) for c in a.choices)
+                values.append(f'                {pattern}) COMPREPLY=($(compgen -W "{words}" -- '
+                              '"$cur")); return ;;')
+            elif _FILE_OPTIONS.intersection(a.option_strings):
+                values.append(f'                {pattern}) COMPREPLY=($(compgen -f -- "$cur")); '
+                              "return ;;")
+            elif a.nargs != 0:  # a value nobody can list (a number, a name): complete nothing
+                values.append(f"                {pattern}) COMPREPLY=(); return ;;")
+        words = " ".join(options + positional)
+        cases.append(
+            f"        {name})\n"
+            + ("            case \"$prev\" in\n" + "\n".join(values) + "\n            esac\n"
+               if values else "")
+            + f'            COMPREPLY=($(compgen -W "{words}" -- "$cur")) ;;'
+        )
+    body = "\n".join(cases)
+    return f"""# bash completion for agentrun (generated by: agentrun completion bash)
+# Load it now with: source <(agentrun completion bash)
+_agentrun() {{
+    local cur prev cmd i
+    cur="${{COMP_WORDS[COMP_CWORD]}}"
+    prev="${{COMP_WORDS[COMP_CWORD-1]}}"
+    cmd=""
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        case "${{COMP_WORDS[i]}}" in
+            -*) ;;
+            *) cmd="${{COMP_WORDS[i]}}"; break ;;
+        esac
+    done
+    if [[ -z "$cmd" ]]; then
+        COMPREPLY=($(compgen -W "{' '.join(commands + top)}" -- "$cur"))
+        return
+    fi
+    case "$cmd" in
+{body}
+    esac
+}}
+complete -o default -F _agentrun agentrun"""
+
+
+async def cmd_completion(args: argparse.Namespace) -> int:
+    print(bash_completion(build_parser()))
+    return 0
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

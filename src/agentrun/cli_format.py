@@ -83,3 +83,82 @@ def summarize_payload(payload: Any) -> str:
             text = content if isinstance(content, str) else json.dumps(content)
             parts.append(f"→{err} {short(text, 50)}")
     return short(" ".join(parts), 100)
+
+
+def to_yaml(value: Any) -> str:
+    """``value`` (what ``-o json`` prints) as YAML: the same fields, block style."""
+    import yaml
+
+    text: str = yaml.safe_dump(value, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    return text.rstrip("\n")
+
+
+def pending_text(run: Run) -> str | None:
+    """The approval a waiting run needs, with the command that gives it (None: none)."""
+    call = run.pending_call
+    if run.status != "waiting_approval" or not call:
+        return None
+    seq = call.get("seq")
+    stage = str(call.get("stage", "")).replace("_", " ")
+    if call.get("stage") == "outcome_unknown":
+        stage += f", attempt {int(call.get('attempt') or 1)}"
+    return (
+        f"step {seq}, {call.get('tool')} ({stage}): agentrun approve {run.id} {seq} "
+        f"| agentrun reject {run.id} {seq}"
+    )
+
+
+def describe_run(run: Run, *, full: bool = False) -> str:
+    """``agentrun get``: one field a line. ``full`` (-o wide): the task, result and error whole,
+    not cut to one line."""
+
+    def text(value: str | None) -> str:
+        if value is None:
+            return "-"
+        return value if full else short(value, 200)
+
+    def when(ts: datetime | None) -> str:
+        return f"{ts.isoformat(timespec='seconds')} ({age(ts)} ago)" if ts else "-"
+
+    if run.k8s_uid:
+        origin = f"AgentRun {run.k8s_namespace}/{run.k8s_name} (uid {run.k8s_uid})"
+    elif run.k8s_name:
+        origin = f"{run.k8s_namespace}/{run.k8s_name} (submitted from a manifest; no object)"
+    else:
+        origin = "-"
+    holder = "-"
+    if run.lease_owner:
+        holder = f"{run.lease_owner} (lease epoch {run.lease_epoch}, until {when(run.lease_until)})"
+    fields: list[tuple[str, str]] = [
+        ("id", str(run.id)),
+        ("name", origin),
+        ("status", run.status + (" (rolling back)" if run.rolling_back else "")),
+        ("pool", run.pool),
+        ("model", run.model),
+        ("step", f"{run.next_seq} (max {run.max_steps})"),
+        ("attempt", f"{run.attempt} (in a row without a step: {run.stalled_attempts}, "
+                    f"max {run.max_attempts})"),
+        ("tokens", f"{run.input_tokens} in, {run.output_tokens} out"),
+        ("worker", holder),
+        ("waiting", text(run.wait_reason) if run.wait_reason else "-"),
+        ("approval", pending_text(run) or "-"),
+        ("rollback", text(run.rollback_reason) if run.rollback_reason else "-"),
+        ("error", text(run.error)),
+        ("result", text(run.result)),
+        ("task", text(run.task)),
+        ("created", when(run.created_at)),
+        ("started", when(run.started_at)),
+        ("finished", when(run.finished_at)),
+        ("key", run.external_key or "-"),
+    ]
+    width = max(len(k) for k, _ in fields) + 1
+    return "\n".join(f"{(k + ':').ljust(width)} {v}" for k, v in fields)
+
+
+def step_line(step: Step, *, wide: bool = False) -> str:
+    """One step as ``agentrun logs`` prints it."""
+    summary = summarize_payload(step.payload)
+    if wide:
+        summary = json.dumps(step.payload, ensure_ascii=False)
+    when = step.created_at.strftime("%H:%M:%S.%f")[:-3]
+    return f"{step.seq:>4}  {when}  {step.kind:<11}  {step.worker}  {summary}"

@@ -253,6 +253,9 @@ class ResolvedRun:
     pool: str
     max_steps: int
     max_attempts: int
+    #: metadata.namespace (None: not given; ``agentrun submit`` then uses "default", as
+    #: ``kubectl apply`` does in a context without a namespace).
+    namespace: str | None = None
 
 
 def _fmt_errors(where: str, err: ValidationError) -> str:
@@ -282,6 +285,7 @@ def resolve(run: AgentRunManifest, agents: dict[str, AgentSpec]) -> ResolvedRun:
         pool=spec.pool or agent.pool,
         max_steps=spec.max_steps,
         max_attempts=spec.max_attempts,
+        namespace=run.metadata.namespace,
     )
 
 

@@ -306,9 +306,22 @@ class PromptVersion:
         return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+#: The external keys of AgentRun objects' runs start with this; no other run's may.
+K8S_KEY_PREFIX = "k8s:"
+
+
 def k8s_key(uid: str) -> str:
     """The external key of the run of the AgentRun object with this uid."""
-    return f"k8s:{uid}"
+    return f"{K8S_KEY_PREFIX}{uid}"
+
+
+@dataclass(frozen=True)
+class ManifestName:
+    """The metadata of the AgentRun manifest a run was submitted from without Kubernetes
+    (``agentrun submit -f``): shown as its name, it is no object (it has no uid)."""
+
+    namespace: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -587,12 +600,23 @@ class Store:
         max_attempts: int = 8,
         external_key: str | None = None,
         k8s: K8sRef | None = None,
+        name: ManifestName | None = None,
     ) -> tuple[Run, bool]:
         """Create a run pinned to ``agent`` (model, system prompt, tool names, params);
-        idempotent on ``external_key`` (for an AgentRun object: ``k8s:<uid>``). Returns the run
-        and whether this call created it."""
+        idempotent on ``external_key`` (for an AgentRun object: ``k8s:<uid>``). ``name``: the
+        manifest name of a run submitted outside Kubernetes (not an object: no uid). Returns the
+        run and whether this call created it."""
         if k8s is not None and external_key is None:
             external_key = k8s_key(k8s.uid)
+        elif k8s is None and external_key is not None and external_key.startswith(K8S_KEY_PREFIX):
+            # Else a client's key could be taken for an AgentRun object's and the operator would
+            # adopt that run as the object's (or the object's run be returned to the client).
+            raise ConfigError(
+                f"the idempotency key {external_key[:80]!r} starts with {K8S_KEY_PREFIX!r}, "
+                "which is reserved for the runs of AgentRun objects; choose another key"
+            )
+        if k8s is not None:
+            name = ManifestName(k8s.namespace, k8s.name)
         if (problem := pool_problem(pool or agent.pool)) is not None:
             raise ConfigError(f"pool {(pool or agent.pool)[:80]!r}: {problem}")
         if external_key is not None and len(external_key) > MAX_EXTERNAL_KEY:
@@ -603,8 +627,8 @@ class Store:
             )
         params = {
             "external_key": external_key,
-            "k8s_namespace": k8s.namespace if k8s else None,
-            "k8s_name": k8s.name if k8s else None,
+            "k8s_namespace": name.namespace if name else None,
+            "k8s_name": name.name if name else None,
             "k8s_uid": k8s.uid if k8s else None,
             "pool": pool or agent.pool,
             "task": task,
@@ -638,12 +662,20 @@ class Store:
         return run
 
     async def list_runs(
-        self, *, pool: str | None = None, status: str | None = None, limit: int = 100
+        self,
+        *,
+        pool: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+        namespace: str | None = None,
     ) -> list[Run]:
+        """The newest runs first; ``namespace``: only runs of that (Kubernetes or manifest)
+        namespace."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Run))
             await cur.execute(
-                queries["list_runs"], {"pool": pool, "status": status, "limit": limit}
+                queries["list_runs"],
+                {"pool": pool, "status": status, "limit": limit, "namespace": namespace},
             )
             return await cur.fetchall()
 
@@ -1015,6 +1047,15 @@ class Store:
                 yield Notification(n.channel, n.payload)
         finally:
             await conn.close()
+
+    # -- what the CLI follows --------------------------------------------------------------------
+
+    async def steps_from(self, run_id: UUID, from_seq: int) -> list[Step]:
+        """The run's steps with seq >= ``from_seq``, in order (agentrun logs -f)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Step))
+            await cur.execute(queries["list_steps_after"], {"run_id": run_id, "from_seq": from_seq})
+            return await cur.fetchall()
 
     # -- internals -----------------------------------------------------------------------------
 

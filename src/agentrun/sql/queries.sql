@@ -32,6 +32,7 @@ SELECT * FROM agent_run WHERE id = %(id)s;
 SELECT * FROM agent_run
  WHERE (%(pool)s::text IS NULL OR pool = %(pool)s)
    AND (%(status)s::text IS NULL OR status = %(status)s)
+   AND (%(namespace)s::text IS NULL OR k8s_namespace = %(namespace)s)
  ORDER BY created_at DESC, id
  LIMIT %(limit)s;
 
@@ -360,3 +361,8 @@ SELECT lease_owner AS worker, count(*) AS held
   FROM agent_run
  WHERE pool = %(pool)s AND status = 'running' AND lease_owner IS NOT NULL
  GROUP BY lease_owner;
+
+-- list_steps_after --
+-- agentrun logs -f: the steps committed since the last it printed (served by the primary key).
+SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
+  FROM agent_step WHERE run_id = %(run_id)s AND seq >= %(from_seq)s ORDER BY seq;

@@ -1,0 +1,345 @@
+"""agentrun get, wait, submit --wait, logs -f, -o, --namespace and completion, through the real
+CLI in subprocesses, with real workers and the scripted model server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import yaml
+from conftest import run_cli
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
+
+from agentrun.store import K8sRef, Store
+
+# The exit codes of agentrun wait and submit --wait are a contract (docs/cli.md): literals here.
+
+MANIFEST = """\
+apiVersion: agentrun.dev/v1alpha1
+kind: AgentRun
+metadata: {{name: {name}{namespace}}}
+spec:
+  agent:
+    model: claude-sonnet-4-5
+    system: "You echo carefully."
+    tools: [echo]
+    thinking: {{budgetTokens: 1024}}
+  task: "echo a few times"
+  maxSteps: {max_steps}
+"""
+
+
+def manifest(tmp: Path, name: str, *, namespace: str | None = None, max_steps: int = 50) -> str:
+    path = tmp / f"{name}.yaml"
+    ns = f", namespace: {namespace}" if namespace else ""
+    path.write_text(MANIFEST.format(name=name, namespace=ns, max_steps=max_steps))
+    return str(path)
+
+
+class Clis:
+    """``agentrun`` subprocesses started in the background; each is killed by its pid at the
+    end of the test, also when it fails."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "agentrun", *args],
+            env={**os.environ, **self.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tempfile.gettempdir(),
+        )
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+
+
+@pytest.fixture
+def clis(database_url: str) -> Iterator[Clis]:
+    c = Clis({"AGENTRUN_DATABASE_URL": database_url})
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def listeners(url: str) -> int:
+    """Sessions of this test's database that are LISTENing (pg_stat_activity: their last
+    statement), so a test knows its followers are in place before the run moves."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN %'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def submit(path: str, env: dict[str, str], *extra: str) -> str:
+    res = run_cli("submit", "-f", path, *extra, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+async def test_logs_follow_prints_every_step_and_wait_exits_zero_when_it_succeeds(
+    tmp_path: Path, database_url: str, store: Store, workers: Workers, fake: FakeFactory,
+    clis: Clis,
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    srv = fake(echo_scenario(4, delay_ms=300))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    rid = submit(manifest(tmp_path, "follow-me"), env)
+    follow = clis.start("logs", "-f", rid, "-o", "json")
+    follow_text = clis.start("logs", "--follow", rid)
+    waiter = clis.start("wait", rid, "--timeout", "120")
+    # Every follower is listening before the run starts: it finishes while they follow.
+    await wait_for(lambda: listeners(database_url) >= 3, 30, "three LISTENing followers")
+    workers.start("w1")
+    out, err = follow.communicate(timeout=120)
+    assert follow.returncode == 0, err
+    steps = await store.steps(rid)
+    run = await store.get_run(rid)
+    assert run.status == "succeeded" and len(steps) == 7  # 4 model turns, 3 tool results
+    printed = [json.loads(line) for line in out.splitlines()]
+    assert [s["seq"] for s in printed] == [s.seq for s in steps] == list(range(7))
+    assert [s["kind"] for s in printed] == [s.kind for s in steps]
+    assert printed[-1]["payload"] == steps[-1].payload
+    assert f"run {rid} succeeded: All 4 turns done." in err
+    text_out, _ = follow_text.communicate(timeout=60)
+    assert follow_text.returncode == 0 and len(text_out.splitlines()) == 7
+    assert "echo(" in text_out and "All 4 turns done." in text_out
+    w_out, w_err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, w_err
+    assert w_out.strip() == f"run {rid} succeeded: All 4 turns done."
+    # Without -f: the steps there are, then it returns.
+    again = run_cli("logs", rid, env=env)
+    assert again.returncode == 0 and again.stdout == text_out
+
+
+async def test_wait_and_submit_wait_exit_non_zero_for_a_run_that_fails(
+    tmp_path: Path, database_url: str, workers: Workers, fake: FakeFactory, clis: Clis
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    srv = fake(echo_scenario(6, delay_ms=200))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    rid = submit(manifest(tmp_path, "too-short", max_steps=2), env)
+    waiter = clis.start("wait", rid)
+    finished = clis.start("wait", rid, "--for", "finished", "-o", "json")
+    await wait_for(lambda: listeners(database_url) >= 2, 30, "two LISTENing waiters")
+    workers.start("w1")
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 4, err
+    assert out.strip() == f"run {rid} failed: maxSteps 2 reached without a final answer"
+    out, err = finished.communicate(timeout=60)
+    assert finished.returncode == 0, err  # --for finished: it ended, however
+    assert json.loads(out)["status"] == "failed"
+    # submit --wait: the id at once on stdout, the end on stderr, the exit code of wait.
+    res = run_cli("submit", "-f", manifest(tmp_path, "again", max_steps=2), "--wait", env=env,
+                  timeout=120)
+    assert res.returncode == 4, res.stderr
+    (new_id,) = res.stdout.split()
+    assert f"run {new_id} failed: maxSteps 2" in res.stderr
+    res = run_cli("submit", "-f", manifest(tmp_path, "json", max_steps=2), "--wait", "-o",
+                  "json", env=env, timeout=120)
+    assert res.returncode == 4, res.stderr
+    row = json.loads(res.stdout)
+    assert row["name"] == "json" and row["status"] == "failed" and "maxSteps" in row["error"]
+
+
+async def test_wait_on_a_cancelled_run_exits_5(
+    tmp_path: Path, database_url: str, clis: Clis
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "to-cancel"), env)  # no worker: it stays pending
+    waiter = clis.start("wait", rid)
+    await wait_for(lambda: listeners(database_url) >= 1, 30, "a LISTENing waiter")
+    assert run_cli("cancel", rid, "--reason", "not today", env=env).returncode == 0
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 5, err
+    assert out.strip() == f"run {rid} cancelled: not today"
+
+
+def test_wait_timeout_on_a_run_that_never_ends_exits_124(
+    tmp_path: Path, database_url: str
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "never"), env)  # no worker: it never ends
+    res = run_cli("wait", rid, "--timeout", "1", env=env)
+    assert res.returncode == 124
+    assert res.stderr.strip() == f"agentrun: error: run {rid} has not ended after 1s (--timeout)"
+    res = run_cli("submit", "-f", manifest(tmp_path, "never2"), "--wait", "--timeout", "1",
+                  env=env)
+    assert res.returncode == 124 and len(res.stdout.split()) == 1, res.stderr
+    # Bad input: exit 2, one line; an unknown run: 1 at once, not at the timeout.
+    res = run_cli("wait", rid, "--timeout", "0", env=env)
+    assert res.returncode == 2 and "--timeout 0: must be more than 0" in res.stderr
+    res = run_cli("wait", rid, "--for", "done", env=env)
+    assert res.returncode == 2 and "invalid choice: 'done'" in res.stderr
+    res = run_cli("wait", "3f1e2b7a-0000-4000-8000-000000000000", "--timeout", "600", env=env)
+    assert res.returncode == 1 and "no run with id" in res.stderr
+
+
+async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
+    database_url: str, store: Store
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    run, _ = await store.create_run("drop the table", AGENT)
+    (_, lease), = (await store.claim("default", "worker-a")).claimed
+    await store.append_step(lease, 0, "model_turn", {"content": []}, input_tokens=120,
+                            output_tokens=45)
+    await store.wait_for_approval(
+        lease,
+        "drop_table (step 0, call 0) may have run: worker-a died inside it",
+        {"seq": 0, "call_index": 0, "tool": "drop_table", "stage": "outcome_unknown",
+         "attempt": 2},
+    )
+    res = run_cli("get", str(run.id), env=env)
+    assert res.returncode == 0, res.stderr
+    fields = dict(line.split(":", 1) for line in res.stdout.splitlines())
+    fields = {k: v.strip() for k, v in fields.items()}
+    assert fields["status"] == "waiting_approval"
+    assert fields["approval"] == (
+        f"step 0, drop_table (outcome unknown, attempt 2): agentrun approve {run.id} 0 "
+        f"| agentrun reject {run.id} 0"
+    )
+    assert fields["tokens"] == "120 in, 45 out"
+    assert fields["step"] == "1 (max 50)" and fields["attempt"].startswith("0 ")
+    assert "worker-a died inside it" in fields["waiting"]
+    as_json = json.loads(run_cli("get", str(run.id), "-o", "json", env=env).stdout)
+    assert as_json["pending_call"]["attempt"] == 2 and as_json["input_tokens"] == 120
+    as_yaml = yaml.safe_load(run_cli("get", str(run.id), "-o", "yaml", env=env).stdout)
+    assert as_yaml == as_json
+    # A running run shows who holds it.
+    other, _ = await store.create_run("echo", AGENT)
+    await store.claim("default", "worker-b")
+    res = run_cli("get", str(other.id), "-o", "wide", env=env)
+    assert "worker:   worker-b (lease epoch 1" in res.stdout
+
+
+async def test_submitted_runs_keep_their_name_and_runs_filters_by_namespace(
+    tmp_path: Path, database_url: str, store: Store
+) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    a = submit(manifest(tmp_path, "team-a-run", namespace="team-a"), env)
+    plain = submit(manifest(tmp_path, "no-namespace"), env)
+    # An AgentRun object's run, as the operator creates it: unaffected, and its key reserved.
+    obj, _ = await store.create_run("t", AGENT, k8s=K8sRef("team-a", "from-kubectl", "uid-1"))
+    res = run_cli("runs", env=env)
+    assert res.returncode == 0, res.stderr
+    names = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines()[1:]}
+    assert names == {a: "team-a-run", plain: "no-namespace", str(obj.id): "from-kubectl"}
+    res = run_cli("runs", "--namespace", "team-a", "-o", "json", env=env)
+    rows = json.loads(res.stdout)
+    assert {r["id"] for r in rows} == {a, str(obj.id)}
+    by_id = {r["id"]: r for r in rows}
+    assert by_id[a]["k8s_uid"] is None and by_id[str(obj.id)]["k8s_uid"] == "uid-1"
+    default = json.loads(run_cli("runs", "--namespace", "default", "-o", "json", env=env).stdout)
+    assert [r["id"] for r in default] == [plain]
+    assert yaml.safe_load(run_cli("runs", "-o", "yaml", env=env).stdout) == json.loads(
+        run_cli("runs", "-o", "json", env=env).stdout
+    )
+    wide = run_cli("runs", "-o", "wide", env=env).stdout.splitlines()
+    assert wide[0].split()[:3] == ["ID", "NAMESPACE", "NAME"]
+    assert any(line.split()[:3] == [a, "team-a", "team-a-run"] for line in wide)
+    # The operator only ever reads runs of objects: a submitted name is not one.
+    assert [r.id for r in await store.k8s_live_runs()] == [obj.id]
+    res = run_cli("get", a, env=env)
+    assert "team-a/team-a-run (submitted from a manifest; no object)" in res.stdout
+    # A client's key cannot pass for an object's.
+    res = run_cli("submit", "-f", manifest(tmp_path, "sneaky"), "--idempotency-key", "k8s:uid-1",
+                  env=env)
+    assert res.returncode == 2 and "reserved for the runs of AgentRun objects" in res.stderr
+    res = run_cli("runs", "--status", "bogus", env=env)
+    assert res.returncode == 2 and "invalid choice: 'bogus'" in res.stderr
+
+
+def test_every_option_has_help_its_default_and_its_valid_values() -> None:
+    from agentrun.cli import _HelpFormatter, build_parser
+
+    parser = build_parser()
+    (subs,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in subs.choices.items():
+        if name == "fake-anthropic":  # its own parser (agentrun fake-anthropic --help)
+            continue
+        for action in sp._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            option = f"agentrun {name} {action.option_strings[0]}"
+            assert action.help, f"{option}: no help"
+            shown = _HelpFormatter(name)._get_help_string(action) or ""
+            if action.default not in (None, False, []):
+                assert "default" in shown, f"{option}: its default is not shown"
+            for choice in action.choices or ():
+                assert str(choice) in shown, f"{option}: {choice} is not listed"
+    runs = " ".join(run_cli("runs", "--help").stdout.split())
+    assert "pending, running, waiting_approval, succeeded, failed, cancelled, dead_letter" in runs
+    assert "list at most this many (1-100000) (default: 100)" in runs
+
+
+def test_bash_completion_completes_commands_options_and_their_values(tmp_path: Path) -> None:
+    res = run_cli("completion", "bash")
+    assert res.returncode == 0, res.stderr
+    script = tmp_path / "agentrun.bash"
+    script.write_text(res.stdout)
+
+    def complete(*words: str) -> list[str]:
+        line = " ".join(f"'{w}'" for w in words)
+        probe = (
+            f"source {script}; COMP_WORDS=({line}); COMP_CWORD={len(words) - 1}; _agentrun; "
+            'printf "%s\\n" "${COMPREPLY[@]}"'
+        )
+        out = subprocess.run(["bash", "--norc", "-c", probe], capture_output=True, text=True,
+                             timeout=30, check=True)
+        return out.stdout.split()
+
+    assert complete("agentrun", "wa") == ["wait"]
+    assert set(complete("agentrun", "")) >= {"runs", "get", "wait", "logs", "submit", "worker"}
+    assert complete("agentrun", "wait", "RUN", "--for", "") == ["succeeded", "finished"]
+    assert complete("agentrun", "runs", "--status", "dead") == ["dead_letter"]
+    assert complete("agentrun", "runs", "-o", "") == ["table", "wide", "json", "yaml"]
+    assert complete("agentrun", "logs", "RUN", "--f") == ["--follow"]
+    assert "--timeout" in complete("agentrun", "submit", "--")
+
+
+async def test_wait_re_reads_the_run_when_its_listen_connection_comes_back(
+    tmp_path: Path, database_url: str, clis: Clis
+) -> None:
+    """The run ends while the waiter's LISTEN connection is gone (its backend terminated while
+    the waiter is SIGSTOPped): that notification is lost for good, and the re-read after the
+    reconnect is what sees the end."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "lost-note"), env)
+    waiter = clis.start("wait", rid)
+    await wait_for(lambda: listeners(database_url) >= 1, 30, "a LISTENing waiter")
+    waiter.send_signal(signal.SIGSTOP)
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE 'LISTEN %'"
+            ).fetchone()
+        assert row == (1,)
+        assert run_cli("cancel", rid, env=env).returncode == 0  # notified to nobody
+    finally:
+        waiter.send_signal(signal.SIGCONT)
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 5, err
+    assert out.strip() == f"run {rid} cancelled"
+    assert "lost the database's notifications" in err and "listening again" in err
