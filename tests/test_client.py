@@ -125,6 +125,8 @@ async def test_submit_from_a_manifest_path_or_its_text_keeps_its_spec(
             "read_schema", "count_rows", "write_production", "check_migration"
         ]
         assert run.agent_spec["thinking"] == {"budgetTokens": 2048}
+        # The manifest's name is kept (as by agentrun submit -f), in kubectl's default namespace.
+        assert (run.k8s_namespace, run.k8s_name, run.k8s_uid) == ("default", "migrate-orders", None)
     assert len({from_path.id, from_str_path.id, from_text.id}) == 3
     # An idempotency key names one run: the second submit returns the first run.
     [a] = await client.submit_manifest(EXAMPLE, idempotency_key="nightly-1")

@@ -456,7 +456,6 @@ def _using_embedded() -> bool:
 
 #: The namespace of a run submitted from a manifest that names none (as kubectl apply does in a
 #: context without one).
-DEFAULT_NAMESPACE = "default"
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
@@ -477,7 +476,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
                 max_steps=r.max_steps,
                 max_attempts=r.max_attempts,
                 external_key=args.idempotency_key,
-                name=ManifestName(r.namespace or DEFAULT_NAMESPACE, r.name),
+                name=ManifestName.of(r.namespace, r.name),
             )
             created.append((r.name, run))
             if args.output == "json" and not args.wait:

@@ -51,6 +51,7 @@ from agentrun.manifests import (
 )
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
+    ManifestName,
     Run,
     RunStatus,
     Step,
@@ -208,6 +209,7 @@ class AsyncClient:
             max_steps=r.max_steps,
             max_attempts=r.max_attempts,
             external_key=idempotency_key,
+            name=ManifestName.of(r.namespace, r.name) if r.name else None,
         )
         return run
 

@@ -318,10 +318,16 @@ def k8s_key(uid: str) -> str:
 @dataclass(frozen=True)
 class ManifestName:
     """The metadata of the AgentRun manifest a run was submitted from without Kubernetes
-    (``agentrun submit -f``): shown as its name, it is no object (it has no uid)."""
+    (``agentrun submit -f``, ``Client.submit_manifest``): shown as its name, it is no object (it
+    has no uid)."""
 
     namespace: str
     name: str
+
+    @classmethod
+    def of(cls, namespace: str | None, name: str) -> ManifestName:
+        """A manifest without a namespace is in ``default``, as ``kubectl apply`` would put it."""
+        return cls(namespace or "default", name)
 
 
 @dataclass(frozen=True)
