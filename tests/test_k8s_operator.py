@@ -883,4 +883,5 @@ async def test_ttl_seconds_after_finished_deletes_the_object_and_keeps_the_runs_
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{op.output()[-3000:]}") from None
     assert (await store.get_run(short.id)).status == "cancelled"  # the run's rows stay
+    await eventually(lambda: "Expired" in cluster.reasons("short"), 10, "Expired event")
     assert cluster.agentrun("kept") is not None  # no TTL: kept
