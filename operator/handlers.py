@@ -340,11 +340,13 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
     # shows it finished, or the watch's initial listing after an operator restart) makes sure
     # one task waits for its expiry, then deletes it.
     expiring: dict[str, asyncio.Task[None]] = {}
+    deleting: set[str] = set()
 
     async def expire(namespace: str, name: str, uid: str, at: datetime, ttl: int,
                      run_id: str | None) -> None:
         try:
             await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+            deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
             if await app().kube.delete_agentrun(namespace, name, uid):
                 await app().event(_ref(namespace, name, uid), Event(
                     "Normal", Reason.EXPIRED,
@@ -355,6 +357,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                         name, exc, extra={"run_id": str(run_id)})
         finally:
             expiring.pop(uid, None)
+            deleting.discard(uid)
 
     @kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")
     async def ttl(
@@ -362,9 +365,10 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
         name: str, uid: str, **_: Any,
     ) -> None:
         if event.get("type") == "DELETED":
-            task = expiring.pop(uid, None)
-            if task is not None:
-                task.cancel()
+            if uid not in deleting:  # deleted by someone else while it waited: stop waiting
+                task = expiring.pop(uid, None)
+                if task is not None:
+                    task.cancel()
             return
         if uid in expiring or not ttl_due(spec, status):
             return
