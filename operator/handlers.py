@@ -345,7 +345,20 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
     async def expire(namespace: str, name: str, uid: str, at: datetime, ttl: int,
                      run_id: str | None) -> None:
         try:
-            await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+            while True:
+                await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+                # The store decides, not the mirrored status (it may lag): a run retried since
+                # is live (its next finish schedules a new expiry), one that finished again
+                # counts from its new finish.
+                store = await app().ready_store()
+                if store is None:
+                    raise DatabaseUnavailable("database unavailable")
+                run = await store.get_run_by_k8s_uid(uid)
+                if run is None or not run.finished or run.finished_at is None:
+                    return
+                at = run.finished_at + timedelta(seconds=ttl)
+                if datetime.now(UTC) >= at:
+                    break
             deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
             if await app().kube.delete_agentrun(namespace, name, uid):
                 await app().event(_ref(namespace, name, uid), Event(
@@ -356,7 +369,8 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             log.warning("AgentRun %s/%s: could not delete it after its TTL: %s", namespace,
                         name, exc, extra={"run_id": str(run_id)})
         finally:
-            expiring.pop(uid, None)
+            if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
+                del expiring[uid]
             deleting.discard(uid)
 
     @kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")
@@ -370,7 +384,12 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                 if task is not None:
                     task.cancel()
             return
-        if uid in expiring or not ttl_due(spec, status):
+        if not ttl_due(spec, status):
+            task = expiring.pop(uid, None) if uid not in deleting else None
+            if task is not None:  # no longer finished (retried): it is not to expire
+                task.cancel()
+            return
+        if uid in expiring:
             return
         finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
         seconds = int(spec["ttlSecondsAfterFinished"])
