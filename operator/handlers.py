@@ -8,8 +8,10 @@
   retry every 15 s (by default), so creating the Agent later is enough.
 * resume (operator start): the object is tracked by the status mirror again.
 * annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>"``,
-  ``agentrun.dev/reject: "<seq>"``: acted on in the store, then removed (consumed), with an
-  Event saying what was done or why it was refused.
+  ``agentrun.dev/reject: "<seq>"``, ``agentrun.dev/retry: "true"`` (or a reason): acted on in
+  the store, then removed (consumed), with an Event saying what was done or why it was refused.
+* ``spec.ttlSecondsAfterFinished``: the object is deleted that long after its run
+  finished (the run's rows stay in the store; ``agentrun prune`` deletes those).
 * delete: the watch's DELETED event cancels the run in the store (its history stays there).
   No finalizer: an AgentRun never waits for the operator to go away, so uninstalling, deleting
   the CRDs or a namespace cannot hang. A deletion the operator did not see (it was down) is
@@ -23,7 +25,9 @@ Status mirroring, scaling and metrics are background loops (:mod:`agentrun.opera
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import kopf
@@ -48,7 +52,7 @@ from agentrun.operator.status import (
     set_condition,
     status_for,
 )
-from agentrun.store import K8sRef, Store
+from agentrun.store import TERMINAL_STATUSES, K8sRef, Store
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,9 @@ AGENTS = (GROUP, VERSION, "agents")
 CANCEL = "agentrun.dev/cancel"
 APPROVE = "agentrun.dev/approve"
 REJECT = "agentrun.dev/reject"
-ACTIONS = (CANCEL, APPROVE, REJECT)
+RETRY = "agentrun.dev/retry"
+ACTIONS = (CANCEL, APPROVE, REJECT, RETRY)
+
 #: Put on AgentRuns by versions before 0.2; kopf removes it now that no handler needs it.
 FINALIZER = "agentrun.dev/finalizer"
 DB_RETRY_DELAY = 5.0
@@ -89,6 +95,15 @@ def _validation_message(err: ValidationError) -> str:
 
 def has_action(annotations: kopf.Annotations, **_: Any) -> bool:
     return any(key in annotations for key in ACTIONS)
+
+
+def ttl_due(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    """The object has a TTL and its run finished (the timer checks the time)."""
+    return (
+        spec.get("ttlSecondsAfterFinished") is not None
+        and status.get("phase") in TERMINAL_STATUSES
+        and bool(status.get("finishedAt"))
+    )
 
 
 def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
@@ -282,6 +297,14 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                                 if now.rolling_back
                                 else f"the run had already ended ({now.status})", 1000)),
                             run.id)
+                elif key == RETRY:
+                    reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
+                    now = await store.retry(run.id, reason)  # ConfigError: refused
+                    await app().event(ref, Event(
+                        "Normal", Reason.RETRIED, one_line(
+                            f"retry {now.retries} by {who}: continues from step {now.next_seq} "
+                            f"with a fresh budget of {now.max_attempts} attempts", 1000)),
+                        run.id)
                 else:
                     try:
                         seq = int(value)
@@ -310,6 +333,69 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                 raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
             # Consumed: the same annotation can be set again for the next decision.
             patch.metadata.annotations[key] = None
+
+    # spec.ttlSecondsAfterFinished: a raw-event handler, not a kopf timer (a timer makes kopf
+    # put a finalizer on every object, and an AgentRun must never wait for the operator to be
+    # deleted). Every event of a finished object with a TTL (the status mirror's patch that
+    # shows it finished, or the watch's initial listing after an operator restart) makes sure
+    # one task waits for its expiry, then deletes it.
+    expiring: dict[str, asyncio.Task[None]] = {}
+    deleting: set[str] = set()
+
+    async def expire(namespace: str, name: str, uid: str, at: datetime, ttl: int,
+                     run_id: str | None) -> None:
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+                # The store decides, not the mirrored status (it may lag): a run retried since
+                # is live (its next finish schedules a new expiry), one that finished again
+                # counts from its new finish.
+                store = await app().ready_store()
+                if store is None:
+                    raise DatabaseUnavailable("database unavailable")
+                run = await store.get_run_by_k8s_uid(uid)
+                if run is None or not run.finished or run.finished_at is None:
+                    return
+                at = run.finished_at + timedelta(seconds=ttl)
+                if datetime.now(UTC) >= at:
+                    break
+            deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
+            if await app().kube.delete_agentrun(namespace, name, uid):
+                await app().event(_ref(namespace, name, uid), Event(
+                    "Normal", Reason.EXPIRED,
+                    f"deleted {ttl}s after the run finished (spec.ttlSecondsAfterFinished); "
+                    "the run's rows stay in the store"), run_id)
+        except Exception as exc:  # the next event of the object schedules it again
+            log.warning("AgentRun %s/%s: could not delete it after its TTL: %s", namespace,
+                        name, exc, extra={"run_id": str(run_id)})
+        finally:
+            if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
+                del expiring[uid]
+            deleting.discard(uid)
+
+    @kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")
+    async def ttl(
+        event: kopf.RawEvent, spec: kopf.Spec, status: kopf.Status, namespace: str | None,
+        name: str, uid: str, **_: Any,
+    ) -> None:
+        if event.get("type") == "DELETED":
+            if uid not in deleting:  # deleted by someone else while it waited: stop waiting
+                task = expiring.pop(uid, None)
+                if task is not None:
+                    task.cancel()
+            return
+        if not ttl_due(spec, status):
+            task = expiring.pop(uid, None) if uid not in deleting else None
+            if task is not None:  # no longer finished (retried): it is not to expire
+                task.cancel()
+            return
+        if uid in expiring:
+            return
+        finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
+        seconds = int(spec["ttlSecondsAfterFinished"])
+        expiring[uid] = asyncio.create_task(expire(
+            namespace or "", name, uid, finished + timedelta(seconds=seconds), seconds,
+            status.get("runId")), name=f"ttl-{uid}")
 
     @kopf.on.event(*AGENTRUNS, registry=registry, id="cancel-on-delete")
     async def deleted(

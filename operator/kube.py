@@ -130,6 +130,27 @@ class KubeApi:
                 ) from None
             raise
 
+    async def delete_agentrun(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete the AgentRun object ``uid`` (a uid precondition: never another object that
+        has its name now). False when it is gone already or was replaced."""
+        body = kubernetes.client.V1DeleteOptions(
+            preconditions=kubernetes.client.V1Preconditions(uid=uid)
+        )
+        try:
+            await self._call(
+                "delete",
+                lambda: self.custom.delete_namespaced_custom_object(
+                    GROUP, VERSION, namespace, "agentruns", name, body=body
+                ),
+            )
+        except NotFound:
+            return False
+        except ApiException as exc:
+            if exc.status == 409:  # the precondition failed: another object by that name
+                return False
+            raise
+        return True
+
     async def _same_uid(self, namespace: str, name: str, uid: str) -> bool:
         try:
             obj: Any = await self._call(

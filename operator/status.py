@@ -57,6 +57,8 @@ class Reason(StrEnum):
     REJECTED = "Rejected"
     ACTION_REFUSED = "ActionRefused"
     CANCEL_IGNORED = "CancelIgnored"
+    RETRIED = "Retried"
+    EXPIRED = "Expired"
 
 #: ``.status.result`` and ``.status.error`` are truncated to this: objects live in etcd, the full
 #: text in the store (``agentrun steps RUN``).

@@ -314,7 +314,8 @@ def test_secrets_come_only_from_existing_secrets(rendered: list[Doc]) -> None:
 # -- RBAC ----------------------------------------------------------------------------------------
 
 WATCH_RULES = {
-    ("agentrun.dev", "agentruns", frozenset({"get", "list", "watch", "patch"})),
+    # delete: spec.ttlSecondsAfterFinished (the object only; its run's rows stay)
+    ("agentrun.dev", "agentruns", frozenset({"get", "list", "watch", "patch", "delete"})),
     ("agentrun.dev", "agentruns/status", frozenset({"get", "patch"})),
     ("agentrun.dev", "agents", frozenset({"get", "list", "watch"})),
     ("", "events", frozenset({"create"})),  # kopf and the operator POST core/v1 Events only
@@ -367,7 +368,9 @@ def assert_no_wildcards_or_secrets(docs: list[Doc]) -> None:
         for group, resource, verbs in rules_of(role):
             assert "*" not in (group, resource) and "*" not in verbs, role["metadata"]["name"]
             assert resource not in ("secrets", "configmaps"), role["metadata"]["name"]
-            assert not verbs & {"delete", "deletecollection", "escalate", "bind", "impersonate"}
+            assert not verbs & {"deletecollection", "escalate", "bind", "impersonate"}
+            # The one deletion: an AgentRun object past its spec.ttlSecondsAfterFinished.
+            assert "delete" not in verbs or (group, resource) == ("agentrun.dev", "agentruns")
 
 
 def test_rbac_grants_exactly_the_operator_rules_cluster_wide(defaults: list[Doc]) -> None:

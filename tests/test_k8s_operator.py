@@ -820,3 +820,66 @@ async def test_a_run_dead_lettered_by_oom_kills_says_so(
     assert "OOMKilled" in event["message"] and "limits.memory" in event["message"]
     await eventually(lambda: "OOMKilled" in (status(cluster, "hungry").get("error") or ""), 30,
                      "the reason mirrored into .status.error")
+
+
+async def test_retry_annotation_makes_a_dead_lettered_run_pending_again_with_its_reason(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("again", maxAttempts=1))
+    run = await run_of(store, cluster, "again")
+    [(_, lease)] = (await store.claim("default", "w1", ttl=0.3)).claimed
+    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
+                            ttl=0.3)
+    # Claims once w1's lease is out: the first resumes (a step was committed), the next one
+    # committed nothing and maxAttempts 1 dead-letters the run.
+    deadline = time.monotonic() + 15
+    while not (await store.claim("default", "w2", ttl=0.3)).dead_lettered:
+        assert time.monotonic() < deadline, "the run was never dead-lettered"
+        await asyncio.sleep(0.1)
+    await eventually(lambda: status(cluster, "again").get("phase") == "dead_letter", 15, "dl")
+
+    cluster.annotate("again", {"agentrun.dev/retry": "tool fixed"})
+    await eventually(lambda: status(cluster, "again").get("phase") == "pending", 15, "pending")
+    retried = await store.get_run(run.id)
+    assert retried.retries == 1 and retried.next_seq == 1
+    assert retried.retry_reason == (
+        f"tool fixed (annotation on AgentRun {cluster.namespace}/again)")
+    assert retried.retried_error is not None and retried.retried_error.startswith("dead-lettered")
+    await eventually(lambda: "Retried" in cluster.reasons("again"), 10, "Retried event")
+    annotations = (cluster.agentrun("again") or {})["metadata"].get("annotations") or {}
+    assert "agentrun.dev/retry" not in annotations  # consumed
+
+    # A live run is not retried: a Warning Event, one line, and the run is untouched.
+    cluster.annotate("again", {"agentrun.dev/retry": "true"})
+
+    def refused() -> list[dict[str, Any]]:
+        return [e for e in cluster.events("again") if e["reason"] == "ActionRefused"]
+
+    await eventually(lambda: bool(refused()), 15, "ActionRefused event")
+    assert refused()[0]["type"] == "Warning"
+    assert "still pending" in refused()[0]["message"] and "\n" not in refused()[0]["message"]
+    assert (await store.get_run(run.id)).retries == 1
+
+
+async def test_ttl_seconds_after_finished_deletes_the_object_and_keeps_the_runs_rows(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("short", ttlSecondsAfterFinished=1))
+    cluster.apply_agentrun(agentrun_manifest("kept"))
+    short, kept = await run_of(store, cluster, "short"), await run_of(store, cluster, "kept")
+    await eventually(lambda: status(cluster, "short").get("phase") == "pending", 15, "mirrored")
+    assert cluster.agentrun("short") is not None  # a live run's object is never expired
+    await store.cancel(kept.id)
+    await eventually(lambda: status(cluster, "kept").get("phase") == "cancelled", 15, "kept")
+    await store.cancel(short.id)
+    try:
+        await eventually(lambda: cluster.agentrun("short") is None, 30, "the object to expire")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{op.output()[-3000:]}") from None
+    assert (await store.get_run(short.id)).status == "cancelled"  # the run's rows stay
+    await eventually(lambda: "Expired" in cluster.reasons("short"), 10, "Expired event")
+    assert cluster.agentrun("kept") is not None  # no TTL: kept

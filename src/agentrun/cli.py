@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import psycopg
@@ -434,6 +435,80 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         return 1
     print(f"run {run.id} already finished ({run.status}); nothing to cancel", file=sys.stderr)
     return 1
+
+
+# -- retry, restart, prune (issue 14) -------------------------------------------------------------
+
+
+async def cmd_retry(args: argparse.Namespace) -> int:
+    async with await _open_store() as store:
+        run = await store.retry(args.run, reason=args.reason)  # ConfigError: refused, exit 2
+    print(
+        f"run {run.id}: retry {run.retries} ({run.retry_reason or 'no reason given'}); it "
+        f"continues from step {run.next_seq} with a fresh budget of {run.max_attempts} attempts"
+    )
+    return 0
+
+
+async def cmd_restart(args: argparse.Namespace) -> int:
+    async with await _open_store() as store:
+        run = await store.restart(args.run)
+    print(run.id)  # the new run's id, alone on its line (scripts read it)
+    return 0
+
+
+_DURATION = re.compile(r"(\d+)([smhdw])")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``15m``, ``12h``, ``30d``, ``2w`` or a sum of them (``1d12h``)."""
+    parts = _DURATION.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: a number and a unit s, m, h, d or w (e.g. 30d, 12h)"
+        )
+    return timedelta(seconds=sum(int(n) * _DURATION_UNITS[u] for n, u in parts))
+
+
+#: Runs per prune batch: 100 runs of 1,000 steps delete in about 0.8 s here, far inside the
+#: statement timeout, and a longer log per run still fits.
+PRUNE_BATCH = 100
+
+#: The statuses agentrun prune deletes by default: every finished one.
+PRUNABLE = ("succeeded", "failed", "cancelled", "dead_letter")
+
+
+async def cmd_prune(args: argparse.Namespace) -> int:
+    if args.batch < 1:
+        raise ConfigError(f"--batch {args.batch}: must be at least 1 (default {PRUNE_BATCH})")
+    statuses = args.status or list(PRUNABLE)
+    cutoff = datetime.now(UTC) - args.older_than
+    what = f"{'/'.join(statuses)} runs finished before {cutoff.isoformat(timespec='seconds')}"
+    async with await _open_store() as store:
+        if args.dry_run:
+            runs, steps = await store.prune_preview(cutoff, statuses)
+            print(f"dry run: would delete {runs} {what}, with {steps} steps")
+            return 0
+        totals = [0, 0, 0, 0]
+        n = 0
+        while True:
+            done = await store.prune_batch(cutoff, statuses, args.batch)
+            if done.runs == 0:
+                break
+            n += 1
+            for i, v in enumerate((done.runs, done.steps, done.effects, done.approvals)):
+                totals[i] += v
+            print(
+                f"batch {n}: deleted {done.runs} runs, {done.steps} steps, {done.effects} "
+                f"effects, {done.approvals} approvals ({totals[0]} runs so far)",
+                flush=True,
+            )
+    print(
+        f"pruned {totals[0]} {what}: {totals[1]} steps, {totals[2]} effects, "
+        f"{totals[3]} approvals in {n} batches"
+    )
+    return 0
 
 
 async def ensure_schema(url: str, *, auto: bool) -> None:
@@ -984,6 +1059,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="first undo what the run did (compensations, newest first)",
     )
     s.set_defaults(func=cmd_cancel)
+
+    s = sub.add_parser(
+        "retry",
+        help="continue a failed or dead-lettered run from its step log, with a fresh budget",
+    )
+    s.add_argument("run", help="run id")
+    s.add_argument("--reason", help="why (recorded on the run)")
+    s.set_defaults(func=cmd_retry)
+
+    s = sub.add_parser("restart", help="start a new run with a run's spec; prints the new id")
+    s.add_argument("run", help="run id")
+    s.set_defaults(func=cmd_restart)
+
+    s = sub.add_parser(
+        "prune", help="delete finished runs and their steps, in batches (never live runs)"
+    )
+    s.add_argument(
+        "--older-than",
+        type=parse_duration,
+        required=True,
+        metavar="DURATION",
+        help="runs that finished at least this long ago: 30d, 12h, 15m, 90s, 2w, 1d12h",
+    )
+    s.add_argument(
+        "--status",
+        action="append",
+        choices=PRUNABLE,
+        help="only runs that ended so; repeat for more (default: every finished status)",
+    )
+    s.add_argument(
+        "--batch",
+        type=int,
+        default=PRUNE_BATCH,
+        help=f"runs per transaction (default {PRUNE_BATCH})",
+    )
+    s.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    s.set_defaults(func=cmd_prune)
 
     return p
 

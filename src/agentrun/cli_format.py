@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 from agentrun.store import Run, Step
 
@@ -43,7 +44,7 @@ def run_to_json(run: Run) -> dict[str, Any]:
         out[key] = (
             value.isoformat()
             if isinstance(value, datetime)
-            else (str(value) if key == "id" else value)
+            else (str(value) if isinstance(value, UUID) else value)
         )
     return out
 

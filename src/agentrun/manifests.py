@@ -196,6 +196,15 @@ class AgentRunSpec(_Spec):
         pattern=POOL_PATTERN,
         description="Overrides the agent's pool (a DNS label).",
     )
+    ttl_seconds_after_finished: int | None = Field(
+        None,
+        alias="ttlSecondsAfterFinished",
+        ge=0,
+        le=10 * 365 * 86400,
+        description="Delete the AgentRun object this long after its run finished (the "
+        "operator does; the run's rows stay in the store until agentrun prune). "
+        "Unset: kept.",
+    )
 
     @field_validator("agent", mode="before")
     @classmethod

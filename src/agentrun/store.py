@@ -380,6 +380,12 @@ class Run:
     # The last tool call marked before it was invoked (migration 0005); after a takeover from a
     # worker that died inside it, also that worker's "lease_until".
     tool_call: dict[str, Any] | None = None
+    # Retries (migration 0007): how many, the latest one's reason and the error it cleared;
+    # restarted_from: the run a restart copied this one's spec from.
+    retries: int = 0
+    retry_reason: str | None = None
+    retried_error: str | None = None
+    restarted_from: UUID | None = None
 
     @property
     def finished(self) -> bool:
@@ -453,6 +459,20 @@ class Notification:
 
     def json(self) -> Any:
         return loaded_json(self.payload)  # built in SQL from escaped columns
+
+
+@dataclass(frozen=True)
+class PruneBatch:
+    """What one batch of :meth:`Store.prune_batch` deleted."""
+
+    runs: int
+    steps: int
+    effects: int
+    approvals: int
+
+
+#: The statuses a run may be retried from (:meth:`Store.retry`).
+RETRYABLE_STATUSES: frozenset[str] = frozenset({"failed", "dead_letter"})
 
 
 def parse_run_id(value: str | UUID) -> UUID:
@@ -1062,6 +1082,69 @@ class Store:
             cur = conn.cursor(row_factory=class_row(Step))
             await cur.execute(queries["list_steps_after"], {"run_id": run_id, "from_seq": from_seq})
             return await cur.fetchall()
+
+    # -- retry, restart and prune (issue 14) ------------------------------------------------
+
+    async def retry(self, run_id: str | UUID, reason: str | None = None) -> Run:
+        """Make a failed or dead-lettered run pending again with a fresh poison-run budget; it
+        continues from its step log (see ``retry_run`` in queries.sql). Raises
+        :class:`ConfigError` (one line) when the run cannot be retried: it is live, it
+        succeeded or was cancelled, or its failure rolled back (compensated) what it did."""
+        rid = parse_run_id(run_id)
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Run))
+            await cur.execute(queries["retry_run"], {"run_id": rid, "reason": reason})
+            run = await cur.fetchone()
+            if run is not None:
+                return run
+            count = await conn.execute(queries["compensation_count"], {"run_id": rid})
+            compensations = int((await count.fetchone() or (0,))[0])
+        now = await self.get_run(rid)  # RunNotFound for an unknown id
+        if not now.finished:
+            raise ConfigError(f"run {rid} is still {now.status}; only a failed or "
+                              "dead-lettered run can be retried")
+        if now.status in RETRYABLE_STATUSES and compensations:
+            raise ConfigError(
+                f"run {rid} cannot be retried: its failure rolled back ({compensations} "
+                "compensation(s) done); agentrun restart starts it afresh"
+            )
+        raise ConfigError(f"run {rid} {now.status}; only a failed or dead-lettered run can be "
+                          "retried (agentrun restart starts a new run with its spec)")
+
+    async def restart(self, run_id: str | UUID) -> Run:
+        """A new run with the spec of ``run_id`` (task, model, agent spec, pool, limits), from
+        step 0; the original is left as it is."""
+        rid = parse_run_id(run_id)
+        run = await self._one_run("restart_run", run_id=rid)
+        if run is None:
+            raise RunNotFound(str(rid))
+        return run
+
+    async def prune_preview(self, cutoff: datetime, statuses: Sequence[str]) -> tuple[int, int]:
+        """(runs, steps) a prune of runs finished before ``cutoff`` would delete now."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                queries["prune_preview"], {"cutoff": cutoff, "statuses": list(statuses)}
+            )
+            row = await cur.fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    async def prune_batch(
+        self, cutoff: datetime, statuses: Sequence[str], batch: int
+    ) -> PruneBatch:
+        """Delete up to ``batch`` runs that finished before ``cutoff`` (only finished ones,
+        whatever ``statuses`` says) with their steps, effects and approvals, in one short
+        transaction of its own; runs someone holds a lock on are skipped, not waited for."""
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(queries["prune_set_flag"])
+            cur = conn.cursor(row_factory=class_row(PruneBatch))
+            await cur.execute(
+                queries["prune_batch"],
+                {"cutoff": cutoff, "statuses": list(statuses), "batch": batch},
+            )
+            done = await cur.fetchone()
+        assert done is not None  # an aggregate always returns its row
+        return done
 
     # -- internals -----------------------------------------------------------------------------
 

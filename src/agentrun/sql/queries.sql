@@ -366,3 +366,81 @@ SELECT lease_owner AS worker, count(*) AS held
 -- agentrun logs -f: the steps committed since the last it printed (served by the primary key).
 SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
   FROM agent_step WHERE run_id = %(run_id)s AND seq >= %(from_seq)s ORDER BY seq;
+
+-- retry_run --
+-- agentrun retry / the agentrun.dev/retry annotation: a failed or dead-lettered run becomes
+-- pending again and the next claim continues from its step log (nothing committed is repeated:
+-- its steps and recorded effects stay, the pinned prompt version stays). The poison-run guard
+-- starts over (stalled_attempts 0, claim_seq at the log's end: a fresh maxAttempts budget);
+-- attempt, the claims of the run's whole life, is kept. Every failure passes through the
+-- worker's abort, which records rollback_reason; it is cleared, or the next claim would abort
+-- again. A run whose abort compensated something (a 'compensation' step) is not retried: what
+-- it undid would be missing from the state it continues from. The error the retry clears is
+-- kept in retried_error, the reason in retry_reason (see migration 0007).
+UPDATE agent_run r
+   SET status = 'pending', lease_owner = NULL, lease_until = NULL,
+       stalled_attempts = 0, claim_seq = r.next_seq,
+       rollback_reason = NULL, result = NULL, finished_at = NULL,
+       retried_error = r.error, error = NULL,
+       retries = r.retries + 1, retry_reason = %(reason)s
+ WHERE r.id = %(run_id)s
+   AND r.status IN ('failed', 'dead_letter')
+   AND NOT EXISTS (SELECT 1 FROM agent_step s
+                    WHERE s.run_id = r.id AND s.kind = 'compensation')
+RETURNING r.*;
+
+-- compensation_count --
+-- Why a retry was refused: how many compensations the run's rollback committed.
+SELECT count(*) AS n FROM agent_step WHERE run_id = %(run_id)s AND kind = 'compensation';
+
+-- restart_run --
+-- agentrun restart: a new run with the pinned parts of an old one (task, model, agent spec,
+-- pool, limits), from step 0. Not its Kubernetes identity or external key (both unique: they
+-- name the original) and not its prompt version: the first claim resolves its tools afresh, as
+-- for any new run.
+INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, restarted_from)
+SELECT pool, task, model, agent_spec, max_steps, max_attempts, id
+  FROM agent_run WHERE id = %(run_id)s
+RETURNING *;
+
+-- prune_set_flag --
+-- agent_step's append-only trigger lets a DELETE through only with this set, for the
+-- transaction (migration 0001): the prune is the one deletion there is.
+SELECT set_config('agentrun.allow_prune', 'on', true);
+
+-- prune_batch --
+-- One batch of agentrun prune, its own short transaction: up to `batch` finished runs that
+-- ended before the cutoff, and everything that belongs to them. Only finished statuses ever
+-- match (whatever the caller passes), so no live run is touched; FOR UPDATE SKIP LOCKED passes
+-- over a run someone else holds a lock on (a concurrent retry), and the lock on the chosen ones
+-- makes a retry that comes in meanwhile wait for this batch and then find no run. The CTEs run
+-- on one snapshot; the foreign keys are checked at the statement's end, when the children are
+-- gone.
+WITH doomed AS (
+    SELECT id FROM agent_run
+     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead_letter')
+       AND status = ANY(%(statuses)s)
+       AND finished_at < %(cutoff)s
+     ORDER BY finished_at, id
+     LIMIT %(batch)s
+     FOR UPDATE SKIP LOCKED
+), steps AS (
+    DELETE FROM agent_step s USING doomed d WHERE s.run_id = d.id RETURNING 1
+), effects AS (
+    DELETE FROM tool_effect e USING doomed d WHERE e.run_id = d.id RETURNING 1
+), approvals AS (
+    DELETE FROM approval a USING doomed d WHERE a.run_id = d.id RETURNING 1
+), runs AS (
+    DELETE FROM agent_run r USING doomed d WHERE r.id = d.id RETURNING 1
+)
+SELECT (SELECT count(*) FROM runs) AS runs, (SELECT count(*) FROM steps) AS steps,
+       (SELECT count(*) FROM effects) AS effects, (SELECT count(*) FROM approvals) AS approvals;
+
+-- prune_preview --
+-- agentrun prune --dry-run: what a prune with the same cutoff and statuses would delete now.
+SELECT count(*) AS runs,
+       coalesce(sum((SELECT count(*) FROM agent_step s WHERE s.run_id = r.id)), 0) AS steps
+  FROM agent_run r
+ WHERE r.status IN ('succeeded', 'failed', 'cancelled', 'dead_letter')
+   AND r.status = ANY(%(statuses)s)
+   AND r.finished_at < %(cutoff)s;
