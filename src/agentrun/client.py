@@ -43,6 +43,8 @@ from agentrun.config import DATABASE_URL_ENV, validate_database_url
 from agentrun.embedded import database_url as default_database_url
 from agentrun.errors import AgentrunError, ConfigError, RunUnsuccessful, WaitTimeout
 from agentrun.manifests import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_STEPS,
     AgentRunSpec,
     AgentSpec,
     ResolvedRun,
@@ -157,8 +159,8 @@ class AsyncClient:
         agent: AgentSpec,
         *,
         pool: str | None = None,
-        max_steps: int = 50,
-        max_attempts: int = 8,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
     ) -> Run:
         """Create a run of ``agent`` on ``task`` (checked as an AgentRun manifest's spec is).
@@ -445,8 +447,8 @@ class Client:
         agent: AgentSpec,
         *,
         pool: str | None = None,
-        max_steps: int = 50,
-        max_attempts: int = 8,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
     ) -> Run:
         """See :meth:`AsyncClient.submit`."""

@@ -72,6 +72,11 @@ BUDGET_MESSAGE = (
 )
 
 
+#: A run's limits when its manifest (or the caller) gives none: one definition for the CRD, the
+#: store and the client.
+DEFAULT_MAX_STEPS = 50
+DEFAULT_MAX_ATTEMPTS = 8
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
@@ -176,14 +181,14 @@ class AgentRunSpec(_Spec):
         min_length=1, max_length=MAX_TEXT, description="The task: the first user message."
     )
     max_steps: int = Field(
-        50,
+        DEFAULT_MAX_STEPS,
         alias="maxSteps",
         ge=1,
         le=10000,
         description="Model turns allowed before the run fails.",
     )
     max_attempts: int = Field(
-        8,
+        DEFAULT_MAX_ATTEMPTS,
         alias="maxAttempts",
         ge=1,
         le=100,

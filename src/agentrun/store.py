@@ -57,7 +57,12 @@ from agentrun.errors import (
     RunCancelled,
     RunNotFound,
 )
-from agentrun.manifests import AgentSpec, pool_problem
+from agentrun.manifests import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_STEPS,
+    AgentSpec,
+    pool_problem,
+)
 from agentrun.sql import queries
 
 log = logging.getLogger(__name__)
@@ -622,8 +627,8 @@ class Store:
         agent: AgentSpec,
         *,
         pool: str | None = None,
-        max_steps: int = 50,
-        max_attempts: int = 8,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         external_key: str | None = None,
         k8s: K8sRef | None = None,
         name: ManifestName | None = None,
