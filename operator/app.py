@@ -12,6 +12,10 @@ A database outage is seen by whichever loop fails first: the operator logs it on
 ``DatabaseAvailable=False`` condition on every unfinished AgentRun, keeps retrying with backoff,
 and when a query succeeds again clears the condition and resyncs everything (notifications sent
 during the outage were lost). No restart needed.
+
+Readiness (``/readyz`` on the health port, :mod:`agentrun.operator.health`): a loop checks the
+API server (a one-object list with the operator's credentials) and the database (``SELECT 1``)
+every ``health_interval``; the pod is Ready only while both passed recently.
 """
 
 from __future__ import annotations
@@ -19,18 +23,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
+import kopf
 import psycopg
+from aiohttp import web
+from kubernetes.client.exceptions import ApiException
 
-from agentrun.config import redact_url
-from agentrun.errors import DatabaseUnavailable
+from agentrun.config import redact_message, redact_url
+from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.operator.autoscaler import Autoscaler
+from agentrun.operator.health import Readiness, serve
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.mirror import StatusMirror, Tracked
@@ -89,16 +98,35 @@ class OperatorApp:
         self.autoscaler = Autoscaler(kube, settings.pools, metrics)
         self._tasks: list[asyncio.Task[None]] = []
         self._outage_task: asyncio.Task[None] | None = None
+        self.readiness = Readiness(stale_after=2 * settings.health_interval + settings.db_timeout)
+        self.readiness.database.error = "not connected yet"
+        self._health_server: web.AppRunner | None = None
+        self._api_down = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        s = self.settings
+        if s.health_port is not None:
+            try:
+                self._health_server = await serve(self.readiness, s.health_host, s.health_port)
+            except OSError as exc:
+                # `agentrun operator` checked the port before kopf started: taken since. One
+                # line and exit 2 (PermanentError stops kopf; the CLI finds the ConfigError).
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise kopf.PermanentError(str(exc)) from ConfigError(
+                    f"--health-port {s.health_port} (AGENTRUN_HEALTH_PORT): cannot listen on "
+                    f"{s.health_host} ({reason}); free it or choose another port (-1 turns it "
+                    "off)")
         self._tasks.append(asyncio.create_task(self._main(), name="agentrun-operator"))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="agentrun-health"))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._health_server is not None:
+            await self._health_server.cleanup()
         if self.store is not None:
             await self.store.close()
         self.kube.close()
@@ -184,6 +212,8 @@ class OperatorApp:
 
     def _failed(self, exc: BaseException) -> None:
         self.metrics.db_up.set(0)
+        self.readiness.database.failed(redact_message(str(exc), self.settings.database_url)
+                                       or type(exc).__name__)
         if self.db_up or self._reported is None:
             log.error("database unavailable: %s", " ".join(str(exc).split()) or type(exc).__name__)
         self.db_up = False
@@ -193,6 +223,7 @@ class OperatorApp:
 
     def _ok(self) -> None:
         self.metrics.db_up.set(1)
+        self.readiness.database.ok()
         if self.db_up:
             return
         self.db_up = True
@@ -207,6 +238,54 @@ class OperatorApp:
         if previous is not None and not previous.done():
             previous.cancel()
         self._outage_task = asyncio.create_task(self.mirror.set_db_condition(up))
+
+    # -- readiness ----------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        """Check the API server and the database every ``health_interval``, for /readyz."""
+        while True:
+            await asyncio.gather(self._check_api(), self._check_db())
+            await asyncio.sleep(self.settings.health_interval)
+
+    async def _check_api(self) -> None:
+        check, timeout = self.readiness.api, self.settings.db_timeout
+        try:
+            # The request has its own timeout; this one also covers waiting for a free slot
+            # among the client's concurrent calls (all of them stuck is not Ready either).
+            await asyncio.wait_for(self.kube.probe(self.settings.namespaces, timeout), timeout + 1)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            check.failed(f"no answer within {timeout:g}s")
+        except ApiException as exc:
+            check.failed(f"{exc.status} {exc.reason}")
+        except Exception as exc:
+            check.failed(_one_line_error(exc))
+        else:
+            check.ok()
+            if self._api_down:
+                self._api_down = False
+                log.info("API server check passed again")
+            return
+        if not self._api_down:  # said once per outage
+            self._api_down = True
+            log.warning("API server check failed (the operator is not ready): %s", check.error)
+
+    async def _check_db(self) -> None:
+        store, timeout = self.store, self.settings.db_timeout
+        if store is None:
+            return  # connecting: _connect's attempts report into the check
+        try:
+            await asyncio.wait_for(store.ping(), timeout)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            # Only readiness: a slow answer is not proof of an outage for the runs' conditions.
+            self.readiness.database.failed(f"no answer within {timeout:g}s")
+        except DB_ERRORS as exc:
+            self._failed(exc)
+        else:
+            self._ok()
 
     # -- loops --------------------------------------------------------------------------------
 
@@ -338,3 +417,8 @@ class OperatorApp:
             log.warning("AgentRun %s/%s: could not post the %s event: %s",
                         meta["namespace"], meta["name"], e.reason, exc,
                         extra={"run_id": str(run_id)})
+
+
+def _one_line_error(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, TypeVar
 
 import kubernetes
@@ -101,6 +102,20 @@ class KubeApi:
                 if exc.status == 404:
                     raise NotFound(str(exc.reason)) from None
                 raise
+
+    async def probe(self, namespaces: list[str], request_timeout: float) -> None:
+        """The readiness check: list at most one AgentRun where the operator watches (each
+        watched namespace, else cluster-wide) with its own credentials, so reachability,
+        authentication and its main permission are checked by one cheap call. Raises on any
+        failure; ``request_timeout`` bounds each request (a black-holed connection must not
+        hang it)."""
+        if not namespaces:
+            await self._call("probe", lambda: self.custom.list_cluster_custom_object(
+                GROUP, VERSION, "agentruns", limit=1, _request_timeout=request_timeout))
+        for ns in namespaces:
+            await self._call("probe", partial(
+                self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, "agentruns",
+                limit=1, _request_timeout=request_timeout))
 
     async def patch_agentrun_status(
         self, namespace: str, name: str, uid: str, status: dict[str, Any]

@@ -99,6 +99,11 @@ class OperatorSettings:
     metrics_interval: float = 30.0
     metrics_port: int | None = 9090
     health_port: int | None = 8080
+    #: Where the health port listens.
+    health_host: str = "0.0.0.0"
+    #: How often /readyz's two checks (the API server, the database) run; each must have
+    #: passed within 2 intervals + db_timeout for the operator to be Ready.
+    health_interval: float = 5.0
     db_timeout: float = 5.0
     #: How often an AgentRun whose Agent does not exist yet is retried.
     agent_retry_delay: float = 15.0
@@ -128,6 +133,7 @@ class OperatorSettings:
             metrics_interval=env_float("AGENTRUN_METRICS_INTERVAL", 30.0),
             metrics_port=_port(env_int("AGENTRUN_METRICS_PORT", 9090)),
             health_port=_port(env_int("AGENTRUN_HEALTH_PORT", 8080)),
+            health_interval=env_float("AGENTRUN_HEALTH_INTERVAL", 5.0),
             agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
             worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
         )

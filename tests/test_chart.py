@@ -290,6 +290,25 @@ def test_the_helm_test_pod_checks_the_database(defaults: list[Doc]) -> None:
     assert pod["spec"]["automountServiceAccountToken"] is False
 
 
+def test_the_helm_test_pod_checks_the_operator_readiness(rendered: list[Doc]) -> None:
+    pod = named(rendered, "Pod", f"{FULLNAME}-test-operator")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    url = f"http://{FULLNAME}-operator-health:8080/readyz"
+    assert c["command"] == ["python", "-m", "agentrun.operator.health", "--wait", "60", url]
+    # No API access: it asks the operator, which checks the API server with its own token.
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["serviceAccountName"] == f"{FULLNAME}-worker"
+    # The Service reaches the operator pod even when it is not Ready (so the test says why).
+    svc = named(rendered, "Service", f"{FULLNAME}-operator-health")
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["ports"] == [
+        {"name": "health", "port": 8080, "targetPort": "health", "protocol": "TCP"}]
+    operator = named(rendered, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= operator["metadata"]["labels"].items()
+    assert "health" in {p["name"] for p in operator["spec"]["containers"][0]["ports"]}
+
+
 def test_workers_get_no_kubernetes_api_token(rendered: list[Doc]) -> None:
     for d in workers(rendered):
         spec = d["spec"]["template"]["spec"]
@@ -422,6 +441,9 @@ def test_operator_is_one_replica_recreated_with_its_settings(defaults: list[Doc]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"health": 8080, "metrics": 9090}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Ready only while the API server and the database answer (issue 19: it was Ready while
+    # blind); /readyz is tested against a real operator in tests/test_k8s_operator.py.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/agentrun")
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == f"{FULLNAME}-pools"
@@ -681,6 +703,13 @@ def test_network_policies(example: list[Doc]) -> None:
     }  # fmt: skip
     (ingress,) = operator["spec"]["ingress"]
     assert {p["port"] for p in ingress["ports"]} == {9090, 8080}
+
+    # The helm test pods: DNS, the database, and the operator's /readyz (pods of the operator).
+    test = named(example, "NetworkPolicy", f"{FULLNAME}-test")
+    assert egress_ports(test) == {(53, "UDP"), (53, "TCP"), (5432, "TCP"), (8080, "TCP")}
+    to_operator = next(r for r in test["spec"]["egress"] if r["ports"][0]["port"] == 8080)
+    assert to_operator["to"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "operator"
 
 
 def test_network_policy_with_bundled_postgresql(bundled_pg: list[Doc]) -> None:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ from kubekit import Operators, agent_manifest, agentrun_manifest, eventually
 from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from realkube import Kube, Release, install_chart
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
+from workerkit import AGENT, FakeFactory, Workers, echo_scenario, free_port, wait_run
 
 from agentrun.migrations import latest_version, schema_version
 from agentrun.store import Run, Store
@@ -883,3 +888,108 @@ async def test_ttl_seconds_after_finished_deletes_the_object_and_keeps_the_runs_
     assert (await store.get_run(short.id)).status == "cancelled"  # the run's rows stay
     await eventually(lambda: "Expired" in cluster.reasons("short"), 10, "Expired event")
     assert cluster.agentrun("kept") is not None  # no TTL: kept
+
+
+# -- readiness (issue 19) -----------------------------------------------------------------------
+
+
+def readyz(port: int) -> tuple[int, dict[str, Any]]:
+    """GET the operator's /readyz: (status, body); (0, {}) while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except OSError:
+        return 0, {}
+
+
+def proxied_kubeconfig(kubeconfig: Path, proxy: TcpProxy, target: Path) -> Path:
+    """The same credentials, with the API server reached through ``proxy`` (TLS passes through
+    it untouched; the server's certificate names 127.0.0.1, whatever the port)."""
+    cfg = yaml.safe_load(kubeconfig.read_text())
+    for c in cfg["clusters"]:
+        c["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
+    target.write_text(yaml.safe_dump(cfg))
+    return target
+
+
+def api_address(kubeconfig: Path) -> tuple[str, int]:
+    server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    parts = urllib.parse.urlsplit(server)
+    return str(parts.hostname), int(parts.port or 443)
+
+
+def helm_test_command(release: Release, name: str) -> list[str]:
+    """The command of one of the release's `helm test` pods, as installed (its hooks)."""
+    out = release.kube.helm("get", "hooks", release.name, "-n", release.namespace).stdout
+    [pod] = [d for d in yaml.safe_load_all(out) if d and d["metadata"]["name"] == name]
+    [c] = pod["spec"]["containers"]
+    return list(c["command"])
+
+
+async def test_readyz_follows_the_api_server_and_the_database_and_helm_test_says_why(
+    cluster: Kube, release: Release, operators: NsOperators, database_url: str, tmp_path: Path
+) -> None:
+    # Issue 19: the operator pod was Ready while every API call failed, and `helm test` passed.
+    # Here the operator (the chart's SA token) reaches the API server and PostgreSQL through
+    # proxies this test cuts and restores; /readyz must follow both, and the chart's own helm
+    # test command (run here: this tier has no kubelet) must fail with the reason, then pass.
+    sa_kubeconfig = operators.cluster.path  # type: ignore[union-attr]
+    api = TcpProxy(api_address(sa_kubeconfig)).start()
+    parts = conninfo_to_dict(database_url)
+    db = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
+    try:
+        operators.cluster = _Kubeconfig(  # type: ignore[assignment]
+            proxied_kubeconfig(sa_kubeconfig, api, tmp_path / "kubeconfig-proxied"))
+        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=db.port)
+        port = free_port()
+        op = operators.start(env={"AGENTRUN_HEALTH_INTERVAL": "0.5"},
+                             extra=["--health-port", str(port)])
+
+        def ready() -> bool:
+            assert op.popen.poll() is None, op.output()[-3000:]
+            return readyz(port)[0] == 200
+
+        def not_ready(what: str) -> str | None:
+            assert op.popen.poll() is None, op.output()[-3000:]
+            code, body = readyz(port)
+            return str(body["reason"]) if code == 503 and what in body.get("reason", "") else None
+
+        command = helm_test_command(release, f"{release.fullname}-test-operator")
+        url = f"http://{release.fullname}-operator-health:8080/readyz"
+        assert command == ["python", "-m", "agentrun.operator.health", "--wait", "60", url]
+        local = [sys.executable, *command[1:-1], f"http://127.0.0.1:{port}/readyz"]
+
+        def helm_test(wait: str = "60") -> subprocess.CompletedProcess[str]:
+            args = [wait if a == "60" else a for a in local]
+            return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+
+        await eventually(ready, 60, "the operator to be ready")
+        passed = helm_test()
+        assert passed.returncode == 0, passed.stderr
+        assert passed.stdout.strip() == f"operator ready (http://127.0.0.1:{port}/readyz)"
+
+        api.cut()
+        reason = await eventually(lambda: not_ready("API server"), 30, "not ready: API server")
+        assert "database" not in reason, reason
+        failed = helm_test(wait="0")
+        assert failed.returncode == 1
+        assert failed.stderr.startswith("operator not ready: API server: "), failed.stderr
+        assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+        api.restore()
+        await eventually(ready, 30, "ready again once the API server answers")
+
+        db.cut()
+        reason = await eventually(lambda: not_ready("database"), 30, "not ready: database")
+        assert "API server" not in reason, reason
+        failed = helm_test(wait="0")
+        assert failed.returncode == 1 and "operator not ready: database: " in failed.stderr
+        db.restore()
+        await eventually(ready, 30, "ready again once the database answers")
+        assert helm_test().returncode == 0
+        assert op.popen.poll() is None  # no restart: readiness, not liveness
+        assert op.output().count("API server check failed") == 1  # said once per outage
+    finally:
+        api.stop()
+        db.stop()

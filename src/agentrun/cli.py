@@ -580,8 +580,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     return code
 
 
-#: Where the servers bind: the worker's health server (WorkerSettings.health_host), kopf's
-#: liveness endpoint (the URL cmd_operator gives it) and prometheus_client's start_http_server.
+#: Where the servers bind: the worker's health server (WorkerSettings.health_host), the
+#: operator's (OperatorSettings.health_host) and prometheus_client's start_http_server.
 LISTEN_HOST = "0.0.0.0"
 
 
@@ -770,8 +770,9 @@ async def cmd_operator(args: argparse.Namespace) -> int:
         ", ".join(f"{p.pool}->{p.namespace}/{p.deployment}" for p in settings.pools) or "none",
         redact_url(settings.database_url),
     )
-    port = settings.health_port
-    liveness = f"http://{LISTEN_HOST}:{port}/healthz" if port is not None else None
+    # The health port (/healthz, /readyz) is served by the operator itself (operator/health.py),
+    # not by kopf's liveness endpoint, which has one path and knows nothing of readiness.
+    settings = dataclasses.replace(settings, health_host=LISTEN_HOST)
     # One replica, standalone (no kopf peering): see docs/operator.md for the trade-off.
     try:
         await kopf.operator(
@@ -779,7 +780,6 @@ async def cmd_operator(args: argparse.Namespace) -> int:
             standalone=True,
             clusterwide=not settings.namespaces,
             namespaces=settings.namespaces,
-            liveness_endpoint=liveness,
         )
     except Exception as exc:
         # A startup handler that turns a ConfigError (the metrics port taken since the check)
@@ -1024,7 +1024,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-migrate", action="store_true", help="do not run the migrations at start-up"
     )
     s.add_argument("--metrics-port", type=int, help="/metrics port (default 9090; -1: off)")
-    s.add_argument("--health-port", type=int, help="/healthz port (default 8080; -1: off)")
+    s.add_argument("--health-port", type=int,
+                   help="/healthz and /readyz port (default 8080; -1: off)")
     _log_options(s)
     s.set_defaults(func=cmd_operator)
 

@@ -1007,6 +1007,11 @@ class Store:
             await cur.execute(queries["pool_depth"])
             return {d.pool: d for d in await cur.fetchall()}
 
+    async def ping(self) -> None:
+        """One round trip through the pool (the operator's readiness check)."""
+        async with self.pool.connection() as conn:
+            await conn.execute(queries["ping"])
+
     # -- what the operator reads -----------------------------------------------------------------
 
     async def get_run_by_k8s_uid(self, uid: str) -> Run | None:

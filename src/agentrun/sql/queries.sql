@@ -165,6 +165,10 @@ SELECT pool,
  WHERE status IN ('pending', 'running')
  GROUP BY pool;
 
+-- ping --
+-- The operator's readiness check: a pooled connection answers (no table is read).
+SELECT 1;
+
 -- migration_lock --
 -- Serialises concurrent `agentrun migrate` runs (operator replicas and worker pods starting
 -- together). Transaction-scoped: released by the commit that records the migrations.
