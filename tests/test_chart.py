@@ -250,6 +250,77 @@ def test_templates_refuse_inconsistent_values(values: list[str], message: str) -
     assert message in err, err
 
 
+# -- resources: a limit below its request (issue 19) ----------------------------------------------
+
+
+def limit_error(err: str) -> str:
+    """The one line a refused limit gives (helm prefixes the template's position)."""
+    [line] = [ln for ln in err.splitlines()
+              if "is below" in ln or "not a Kubernetes quantity" in ln]
+    return line.split("): ", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "workers.poolDefaults.resources.limits.memory=160Mi"],
+         "workers.poolDefaults.resources.limits.memory (160Mi) is below "
+         "workers.poolDefaults.resources.requests.memory (256Mi) for pool \"default\""),
+        # 256M (decimal) is 256,000,000 bytes: below 256Mi (268,435,456).
+        (["--set", "workers.poolDefaults.resources.limits.memory=256M"],
+         "limits.memory (256M) is below workers.poolDefaults.resources.requests.memory (256Mi)"),
+        (["--set", "workers.poolDefaults.resources.limits.memory=0.2Gi"],
+         "limits.memory (0.2Gi) is below"),
+        (["--set-string", "workers.poolDefaults.resources.limits.memory=200000000"],
+         "limits.memory (200000000) is below"),
+        (["--set", "workers.poolDefaults.resources.limits.cpu=50m"],
+         "workers.poolDefaults.resources.limits.cpu (50m) is below "
+         "workers.poolDefaults.resources.requests.cpu (100m)"),
+        # A pool with its own resources: those are the values named (they replace poolDefaults').
+        (pools({"name": "default"}, {"name": "big", "resources": {
+            "requests": {"memory": "1Gi"}, "limits": {"memory": "768Mi"}}}),
+         "workers.pools[big].resources.limits.memory (768Mi) is below "
+         "workers.pools[big].resources.requests.memory (1Gi) for pool \"big\""),
+        (["--set", "operator.resources.limits.memory=100Mi"],
+         "operator.resources.limits.memory (100Mi) is below operator.resources.requests.memory "
+         "(128Mi) for the operator"),
+        (["--set", "workers.poolDefaults.resources.limits.memory=12XB"],
+         'workers.poolDefaults.resources.limits.memory: "12XB" is not a Kubernetes quantity'),
+    ],
+    ids=["below-Mi", "decimal-M", "fraction-Gi", "plain-bytes", "cpu", "pool-own", "operator",
+         "not-a-quantity"],
+)  # fmt: skip
+def test_a_limit_below_its_request_is_refused_in_one_line(values: list[str], message: str) -> None:
+    line = limit_error(refused(*SECRETS, *values))
+    assert message in line, line
+    if "is below" in line:
+        assert line.endswith("which Kubernetes refuses: raise the limit, or lower the request "
+                             "with it"), line
+
+
+@pytest.mark.parametrize(
+    ("values", "memory"),
+    [
+        (["--set", "workers.poolDefaults.resources.limits.memory=256Mi"], "256Mi"),  # equal
+        (["--set-string", "workers.poolDefaults.resources.limits.memory=268435456"],
+         "268435456"),  # equal, in bytes
+        (["--set", "workers.poolDefaults.resources.limits.memory=0.25Gi"], "0.25Gi"),  # equal
+        (["--set", "workers.poolDefaults.resources.limits.memory=1e9"], "1e9"),  # above
+        (["--set", "workers.poolDefaults.resources.limits.memory=160Mi",
+          "--set", "workers.poolDefaults.resources.requests.memory=128Mi"], "160Mi"),  # lowered
+        # A pool's own resources with no request: Kubernetes takes the limit as the request.
+        (pools({"name": "default", "resources": {"limits": {"memory": "160Mi"}}}), "160Mi"),
+    ],
+    ids=["equal", "equal-bytes", "equal-fraction", "above-exponent", "request-lowered",
+         "limit-only"],
+)  # fmt: skip
+def test_a_limit_at_or_above_its_request_renders(values: list[str], memory: str) -> None:
+    docs = template(*SECRETS, *values)
+    (d,) = workers(docs)
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    assert str(c["resources"]["limits"]["memory"]) == memory
+
+
 # -- security ------------------------------------------------------------------------------------
 
 

@@ -461,3 +461,50 @@ def test_uninstall_then_delete_the_crds_never_hangs(
             apply_crds(admin_kube)
         except KubectlError as exc:
             pytest.fail(f"could not restore the session's CRDs: {exc}")
+
+
+# -- resources: a limit below its request (issue 19) --------------------------------------------
+
+
+def test_install_refuses_a_worker_limit_below_the_request_in_one_line(
+    kube: Kube, releases: list[Release]
+) -> None:
+    # Found on a node: `--set workers.poolDefaults.resources.limits.memory=160Mi` (the request
+    # stays the chart's 256Mi) was refused by the API server, about the Deployment's pod
+    # template. helm install now refuses it first, naming both values, and installs nothing.
+    with pytest.raises(KubectlError) as refused:
+        install(kube, releases, "workers.poolDefaults.resources.limits.memory=160Mi",
+                name="tight")
+    [line] = [ln for ln in str(refused.value).splitlines() if "is below" in ln]
+    assert line.endswith(
+        "workers.poolDefaults.resources.limits.memory (160Mi) is below "
+        'workers.poolDefaults.resources.requests.memory (256Mi) for pool "default", which '
+        "Kubernetes refuses: raise the limit, or lower the request with it"), line
+    listed = kube.helm("list", "-n", kube.namespace, "-a", "-q").stdout.split()
+    assert "tight" not in listed
+    assert kube.deployment("tight-agentrun-worker-default") is None
+
+    # A pool's own resources are checked too (they replace poolDefaults' as a whole).
+    with pytest.raises(KubectlError) as refused:
+        install(kube, releases, "workers.pools[0].name=default",
+                "workers.pools[0].resources.requests.memory=1Gi",
+                "workers.pools[0].resources.limits.memory=512Mi", name="tight2")
+    assert ("workers.pools[default].resources.limits.memory (512Mi) is below "
+            "workers.pools[default].resources.requests.memory (1Gi)") in str(refused.value)
+
+    # The control: what the API server says without the check (the same Deployment, limit
+    # lowered by hand), which the user had to decode.
+    ok = install(kube, releases, "workers.poolDefaults.resources.limits.memory=256Mi",
+                 name="exact")
+    dep = kube.deployment(ok.worker_deployment())
+    assert dep is not None
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"]["memory"] == c["resources"]["requests"]["memory"] == "256Mi"
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        dep["metadata"].pop(key, None)
+    dep.pop("status", None)
+    c["resources"]["limits"]["memory"] = "160Mi"
+    proc = kube.kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(dep),
+                        check=False)
+    assert proc.returncode != 0
+    assert "must be less than or equal to memory limit" in proc.stderr, proc.stderr

@@ -134,6 +134,9 @@ seccompProfile:
 {{- if gt (int $as.minReplicas) (int $as.maxReplicas) -}}
 {{- fail (printf "workers.pools[%s].autoscaling: minReplicas (%v) must not exceed maxReplicas (%v)" $pool.name $as.minReplicas $as.maxReplicas) -}}
 {{- end -}}
+{{- /* A pool's own resources replace poolDefaults' as a whole: name the values actually used. */ -}}
+{{- $where := ternary (printf "workers.pools[%s].resources" $pool.name) "workers.poolDefaults.resources" (hasKey .pool "resources") -}}
+{{- include "agentrun.checkResources" (dict "resources" (default dict $pool.resources) "where" $where "what" (printf "pool %q" $pool.name)) -}}
 {{- $_ := set $pool "deployment" (include "agentrun.workerDeployment" (dict "root" .root "pool" $pool.name)) -}}
 {{- toYaml $pool -}}
 {{- end -}}
@@ -146,5 +149,48 @@ seccompProfile:
 {{- fail (printf "workers.pools: pool %q is listed twice" .name) -}}
 {{- end -}}
 {{- $_ := set $seen .name true -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Resource quantities --------------------------------------------------------------------- */}}
+
+{{- /* A Kubernetes quantity (512Mi, 1G, 500m, 1.5, 2e9, or a plain number) in base units (bytes,
+       cores), as a float for comparisons: Helm has no quantity type. Input: (dict "q" VALUE
+       "where" "the value's path, for the error"). */ -}}
+{{- define "agentrun.quantity" -}}
+{{- $q := toString .q | trim -}}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "n" 0.000000001 "u" 0.000001 "m" 0.001 "" 1.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "E" 1000000000000000000.0 -}}
+{{- $num := regexFind "^[+]?([0-9]+[.]?[0-9]*|[.][0-9]+)" $q -}}
+{{- $suffix := trimPrefix $num $q -}}
+{{- $value := 0.0 -}}
+{{- if and $num (hasKey $units $suffix) -}}
+{{- $value = mulf (float64 (trimPrefix "+" $num)) (get $units $suffix) -}}
+{{- else if and $num (regexMatch "^[eE][0-9]+$" $suffix) -}}
+{{- $value = float64 (trimPrefix "+" $num) -}}
+{{- range until (int (substr 1 -1 $suffix | trimPrefix "e" | trimPrefix "E")) -}}
+{{- $value = mulf $value 10.0 -}}
+{{- end -}}
+{{- else -}}
+{{- fail (printf "%s: %q is not a Kubernetes quantity (e.g. 512Mi, 1Gi, 500m, 2)" .where $q) -}}
+{{- end -}}
+{{- $value -}}
+{{- end -}}
+
+{{- /* Fail when a limit is below its request (the API server refuses such a pod, with a message
+       about the Deployment's pod template). Input: (dict "resources" R "where" "their values path"
+       "what" "the pool or component, for the message"). */ -}}
+{{- define "agentrun.checkResources" -}}
+{{- $requests := default dict .resources.requests -}}
+{{- $limits := default dict .resources.limits -}}
+{{- range $name := list "cpu" "memory" "ephemeral-storage" -}}
+{{- if and (hasKey $requests $name) (hasKey $limits $name) -}}
+{{- $req := index $requests $name -}}
+{{- $lim := index $limits $name -}}
+{{- $r := include "agentrun.quantity" (dict "q" $req "where" (printf "%s.requests.%s" $.where $name)) | float64 -}}
+{{- $l := include "agentrun.quantity" (dict "q" $lim "where" (printf "%s.limits.%s" $.where $name)) | float64 -}}
+{{- if lt $l $r -}}
+{{- fail (printf "%s.limits.%s (%v) is below %s.requests.%s (%v) for %s, which Kubernetes refuses: raise the limit, or lower the request with it" $.where $name $lim $.where $name $req $.what) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
