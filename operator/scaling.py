@@ -1,6 +1,13 @@
 """How many workers a pool should have: the operator's scaling decision, kept pure.
 
-    desired = ceil((pending + running) / runsPerWorker), clamped to [minReplicas, maxReplicas]
+    desired = ceil((pending + running + spareSlots) / runsPerWorker), clamped to
+              [minReplicas, maxReplicas]; spareSlots only while the pool has live runs
+
+``spareSlots`` is headroom: free run slots kept on running workers, so the runs a deleted or
+drained pod hands back are claimed at once by the survivors instead of waiting for its
+replacement pod to be scheduled and started (seconds to minutes). It costs idle capacity, and
+only while there is work: an idle pool still scales to ``minReplicas`` (zero by default), which
+is what a warm pool is for. docs/operator.md has the trade-off.
 
 Up at once (a new pending run must reach a pool scaled to zero within seconds, not a polling
 interval); down only after the lower demand has lasted ``scale_down_delay`` (so a burst that
@@ -28,10 +35,14 @@ class PoolScaling:
     min_replicas: int = 0
     max_replicas: int = 10
     scale_down_delay: float = 300.0
+    #: Free run slots kept beyond the live runs while there are any (headroom for hand-overs).
+    spare_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.runs_per_worker < 1:
             raise ValueError(f"pool {self.pool}: runsPerWorker must be at least 1")
+        if self.spare_slots < 0:
+            raise ValueError(f"pool {self.pool}: spareSlots must be 0 or more")
         if not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError(
                 f"pool {self.pool}: need 0 <= minReplicas ({self.min_replicas}) <= maxReplicas "
@@ -50,10 +61,19 @@ class Scaler:
     settings: PoolScaling
     _lower_since: float | None = field(default=None, init=False)
 
-    def demand(self, depth: PoolDepth | None) -> int:
+    def slots(self, depth: PoolDepth | None) -> int:
+        """Run slots the pool should have: its live runs, plus the spare ones while any."""
         live = (depth.pending + depth.running) if depth else 0
-        wanted = math.ceil(live / self.settings.runs_per_worker)
+        return live + self.settings.spare_slots if live else 0
+
+    def demand(self, depth: PoolDepth | None) -> int:
+        wanted = math.ceil(self.slots(depth) / self.settings.runs_per_worker)
         return max(self.settings.min_replicas, min(self.settings.max_replicas, wanted))
+
+    def _need(self, depth: PoolDepth | None) -> str:
+        live = (depth.pending + depth.running) if depth else 0
+        spare = self.settings.spare_slots
+        return f"{live} live runs + {spare} spare slots" if spare and live else f"{live} live runs"
 
     def decide(
         self, depth: PoolDepth | None, current: int, now: float, *, pristine: bool = False
@@ -63,15 +83,15 @@ class Scaler:
         scaling decisions against thrash; a count nobody decided (the API's default of 1 for a
         Deployment installed without replicas) is corrected at once."""
         wanted = self.demand(depth)
-        live = (depth.pending + depth.running) if depth else 0
+        need = self._need(depth)
         if pristine and wanted != current:
             self._lower_since = None
-            return Decision(wanted, f"first decision: {live} live runs need {wanted} (the "
+            return Decision(wanted, f"first decision: {need} need {wanted} (the "
                                     f"Deployment still has the {current} it was created with)")
         if wanted >= current:
             self._lower_since = None
             if wanted > current:
-                return Decision(wanted, f"scale up: {live} live runs need {wanted}")
+                return Decision(wanted, f"scale up: {need} need {wanted}")
             return Decision(current, "steady")
         if self._lower_since is None:
             self._lower_since = now
@@ -80,4 +100,4 @@ class Scaler:
         if waited < delay:
             return Decision(current, f"hold: {wanted} would do for {waited:.0f}s of {delay:.0f}s")
         self._lower_since = None
-        return Decision(wanted, f"scale down: {live} live runs need {wanted}")
+        return Decision(wanted, f"scale down: {need} need {wanted}")

@@ -11,6 +11,7 @@ not listed, so the operator never touches them)::
       minReplicas: 0
       maxReplicas: 10
       scaleDownDelaySeconds: 300
+      spareSlots: 0                 # free run slots kept while there are live runs
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class PoolConfig(BaseModel):
     min_replicas: int = Field(0, alias="minReplicas", ge=0)
     max_replicas: int = Field(10, alias="maxReplicas", ge=0)
     scale_down_delay: float = Field(300.0, alias="scaleDownDelaySeconds", ge=0)
+    spare_slots: int = Field(0, alias="spareSlots", ge=0)
 
 
 class PoolsFile(BaseModel):
@@ -73,6 +75,7 @@ def load_pools(path: str | Path) -> list[PoolScaling]:
                     min_replicas=p.min_replicas,
                     max_replicas=p.max_replicas,
                     scale_down_delay=p.scale_down_delay,
+                    spare_slots=p.spare_slots,
                 )
             )
         except ValueError as exc:

@@ -551,6 +551,7 @@ def test_pools_file_lists_exactly_the_autoscaled_pools(example: list[Doc]) -> No
             "minReplicas": 1,
             "maxReplicas": 20,
             "scaleDownDelaySeconds": 300,
+            "spareSlots": 0,
         }
     ]
     fixed = named(example, "Deployment", f"{FULLNAME}-worker-migrations")
@@ -569,8 +570,31 @@ def test_pools_file_defaults(defaults: list[Doc]) -> None:
             "minReplicas": 0,
             "maxReplicas": 10,
             "scaleDownDelaySeconds": 300,
+            "spareSlots": 0,
         }
     ]
+
+
+def test_pools_file_carries_each_pools_spare_slots() -> None:
+    docs = template(*SECRETS, "--set", "workers.poolDefaults.autoscaling.spareSlots=4",
+                    *pools({"name": "default"},
+                           {"name": "gpu", "autoscaling": {"spareSlots": 1}}))
+    assert {p["name"]: p["spareSlots"] for p in pools_file(docs)} == {"default": 4, "gpu": 1}
+    err = refused(*SECRETS, *pools({"name": "default", "autoscaling": {"spareSlots": -1}}))
+    assert "spareSlots': minimum" in err, err
+
+
+def test_rolling_update_surge_is_a_pool_setting() -> None:
+    def strategy(*values: str) -> dict[str, Any]:
+        (d,) = workers(template(*SECRETS, *values))
+        return dict(d["spec"]["strategy"]["rollingUpdate"])
+
+    assert strategy() == {"maxSurge": 1, "maxUnavailable": 0}
+    # Every new pod first: the old pods then drain together, each run handed over once.
+    assert strategy("--set-string", "workers.poolDefaults.maxSurge=100%") == {
+        "maxSurge": "100%", "maxUnavailable": 0}
+    err = refused(*SECRETS, "--set", "workers.poolDefaults.maxSurge=0")  # with 0 unavailable
+    assert "/workers/poolDefaults/maxSurge" in err, err
 
 
 def test_pools_file_is_empty_when_no_pool_autoscales() -> None:

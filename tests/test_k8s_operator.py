@@ -993,3 +993,36 @@ async def test_readyz_follows_the_api_server_and_the_database_and_helm_test_says
     finally:
         api.stop()
         db.stop()
+
+
+# -- spare slots (issue 19) ---------------------------------------------------------------------
+
+
+async def test_spare_slots_from_the_chart_scale_the_deployment_with_headroom(
+    cluster: Kube, release: Release, operators: NsOperators, store: Store
+) -> None:
+    # Issue 19: after a plain pod delete, the runs beyond the survivors' free slots waited for
+    # the replacement pod. A pool's autoscaling.spareSlots keeps free slots while there is work.
+    # Set through the chart (helm upgrade), read from its pools file, applied by the operator
+    # to the real Deployment: runsPerWorker 2, spareSlots 2, maxReplicas 3.
+    cluster.helm("upgrade", release.name, str(ROOT / "charts" / "agentrun"), "-n",
+                 cluster.namespace, "--reuse-values",
+                 "--set", "workers.poolDefaults.autoscaling.spareSlots=2")
+    chart_pool = pool(release)
+    assert chart_pool["spareSlots"] == 2 and chart_pool["runsPerWorker"] == 2
+    workers = release.worker_deployment()
+    op = operators.start(pools=[chart_pool])
+    cluster.apply_agent(agent_manifest())
+    # Idle: no headroom (the pool still scales to minReplicas, 0).
+    await eventually(lambda: replicas(cluster, workers) == 0, 30, "the idle pool at 0")
+    cluster.apply_agentrun(agentrun_manifest("h1"))
+    # ceil((1 + 2) / 2) = 2, where the run alone needs 1.
+    await eventually(lambda: replicas(cluster, workers) == 2, 15, "one run + 2 spare slots")
+    cluster.apply_agentrun(agentrun_manifest("h2"))
+    cluster.apply_agentrun(agentrun_manifest("h3"))
+    await eventually(lambda: replicas(cluster, workers) == 3, 15, "ceil((3 + 2) / 2) = 3")
+    assert "scale up: 1 live runs + 2 spare slots need 2" in op.output()
+    assert op.metric("agentrun_pool_desired_replicas", pool="default") == 3
+    for name in ("h1", "h2", "h3"):
+        await store.cancel((await run_of(store, cluster, name)).id)
+    await eventually(lambda: replicas(cluster, workers) == 0, 30, "no work: no headroom")

@@ -65,3 +65,37 @@ def test_bad_pool_settings_name_the_field() -> None:
         PoolScaling(pool="p", deployment="d", runs_per_worker=0)
     with pytest.raises(ValueError, match="minReplicas"):
         PoolScaling(pool="p", deployment="d", min_replicas=4, max_replicas=2)
+
+
+async def test_spare_slots_add_headroom_while_there_are_live_runs(store: Store) -> None:
+    # Issue 19: after a pod delete, runs beyond the survivors' free slots waited for the
+    # replacement pod. spareSlots keeps that many free slots on running workers.
+    settings = PoolScaling(pool="gpu", deployment="w", runs_per_worker=4, max_replicas=5,
+                           spare_slots=4, scale_down_delay=30)
+    scaler = Scaler(settings)
+    # Idle: no headroom, the pool still scales to minReplicas (zero).
+    assert scaler.demand((await store.pool_depth()).get("gpu")) == 0
+    assert scaler.decide(None, 0, now=0).replicas == 0
+    await store.create_run("t", AGENT)
+    one = (await store.pool_depth())["gpu"]
+    d = scaler.decide(one, 0, now=1)
+    assert d.replicas == 2  # ceil((1 + 4) / 4): one pod's worth of free slots beside the run
+    assert d.reason == "scale up: 1 live runs + 4 spare slots need 2"
+    for _ in range(3):
+        await store.create_run("t", AGENT)
+    [(_, lease)] = (await store.claim("gpu", "w1", ttl=30)).claimed  # held runs count too
+    four = (await store.pool_depth())["gpu"]
+    assert (four.pending, four.running) == (3, 1)
+    assert scaler.demand(four) == 2  # ceil((4 + 4) / 4)
+    for _ in range(12):
+        await store.create_run("t", AGENT)
+    assert scaler.demand((await store.pool_depth())["gpu"]) == 5  # ceil(20 / 4), at maxReplicas
+    # Without spare slots the same depth needs fewer pods: the headroom is the difference.
+    plain = Scaler(PoolScaling(pool="gpu", deployment="w", runs_per_worker=4, max_replicas=5))
+    assert plain.demand(one) == 1 and plain.demand(four) == 1
+    assert lease.run_id
+
+
+def test_spare_slots_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="spareSlots"):
+        PoolScaling(pool="p", deployment="d", spare_slots=-1)
