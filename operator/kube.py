@@ -112,7 +112,12 @@ class KubeApi:
         if not namespaces:
             await self._call("probe", lambda: self.custom.list_cluster_custom_object(
                 GROUP, VERSION, "agentruns", limit=1, _request_timeout=request_timeout))
-        for ns in namespaces:
+        # kopf also takes glob patterns ("team-*", "!kube-*"): no list can name those.
+        concrete = [ns for ns in namespaces if not any(c in ns for c in "*?[!")]
+        if namespaces and not concrete:
+            version = kubernetes.client.VersionApi(self.api_client)
+            await self._call("probe", partial(version.get_code, _request_timeout=request_timeout))
+        for ns in concrete:
             await self._call("probe", partial(
                 self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, "agentruns",
                 limit=1, _request_timeout=request_timeout))

@@ -1026,3 +1026,27 @@ async def test_spare_slots_from_the_chart_scale_the_deployment_with_headroom(
     for name in ("h1", "h2", "h3"):
         await store.cancel((await run_of(store, cluster, name)).id)
     await eventually(lambda: replicas(cluster, workers) == 0, 30, "no work: no headroom")
+
+
+async def test_the_readiness_api_check_takes_namespace_patterns(
+    kube: Kube, release: Release, tmp_path: Path
+) -> None:
+    # kopf watches glob patterns too ("team-*"); no Role can grant a list there, so the check
+    # asks the server's /version for those instead of failing for ever (never Ready). With the
+    # chart's operator token (a Role in the watched namespace only).
+    import kubernetes
+    from kubernetes.client.exceptions import ApiException
+
+    from agentrun.operator.kube import KubeApi
+
+    config = release.kubeconfig_for(release.operator_sa, tmp_path)
+    api = KubeApi(kubernetes.config.new_client_from_config(config_file=str(config)))
+    try:
+        await api.probe([kube.namespace], 5)
+        await api.probe(["agentrun-t-*"], 5)
+        with pytest.raises(ApiException) as forbidden:  # the control: the pattern as a name
+            await asyncio.to_thread(api.custom.list_namespaced_custom_object,
+                                    "agentrun.dev", "v1alpha1", "agentrun-t-*", "agentruns")
+        assert forbidden.value.status == 403
+    finally:
+        api.close()
