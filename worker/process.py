@@ -533,14 +533,31 @@ class Worker:
             await self._recheck_held_runs()
 
     def _on_run_changed(self, event: dict[str, object]) -> None:
+        """A held run's row changed (payload: migration 0002's agentrun_notify_run_v2).
+
+        The epoch says which claim the notification is about; only the claim bumps it, so it
+        orders them. A newer one: another worker claimed the run (its lease lapsed), abort. An
+        older one was sent before this claim and heard after it (the run's insert notification
+        commonly is): it tells nothing about this hold, whatever its status or rollback flag
+        says, and is ignored. Aborting on it dropped a run just claimed without releasing it, so
+        the run stalled for the whole lease and spent an attempt (issue 19). Only a notification
+        about this very claim can cancel the run or ask it to roll back."""
         rid = UUID(str(event["id"]))
         h = self.active.get(rid)
         if h is None:
             return
-        if event["status"] == "cancelled":
-            h.abort("cancelled")
-        elif event["epoch"] != h.lease.epoch:
+        epoch = event.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            log.warning("notification without an epoch ignored: %s", event,
+                        extra={"run_id": str(rid)})
+            return
+        if epoch < h.lease.epoch:
+            log.debug("stale notification ignored: epoch %d is before this claim's %d (%s)",
+                      epoch, h.lease.epoch, event.get("status"), extra={"run_id": str(rid)})
+        elif epoch > h.lease.epoch:
             h.abort("lease lost")
+        elif event.get("status") == "cancelled":
+            h.abort("cancelled")
         elif event.get("rollback"):
             h.rollback_requested = True
 
