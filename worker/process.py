@@ -1,5 +1,8 @@
 """The worker process: claim runs, hold them, drain on SIGTERM.
 
+Before anything else the worker waits for the database schema it needs, alive and not ready
+(``_until_schema``): on a fresh install its pods may start before the operator migrates.
+
 Beside the main claim loop run three kinds of side tasks (procrastinate's shape):
 
 * one listener on LISTEN/NOTIFY: a cancel of a held run aborts its task at once (an in-flight
