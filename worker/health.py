@@ -106,6 +106,8 @@ class Health:
     last_progress: float = field(default_factory=time.monotonic)
     ready: bool = False
     draining: bool = False
+    #: What the worker waits for before it can be ready (its schema), for /readyz to say.
+    waiting_for: str | None = None
     #: Starts the drain and returns once no run is held (set by the worker; serves /drain).
     drain: Callable[[], Awaitable[int]] | None = None
 
@@ -154,9 +156,10 @@ def make_app(health: Health) -> web.Application:
 
     async def readyz(_: web.Request) -> web.Response:
         ok = health.ready and not health.draining and health.alive()
-        return web.json_response(
-            {"ready": ok, "draining": health.draining}, status=200 if ok else 503
-        )
+        body: dict[str, object] = {"ready": ok, "draining": health.draining}
+        if health.waiting_for is not None:
+            body["waiting_for"] = health.waiting_for
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(health.metrics.registry)

@@ -1,5 +1,8 @@
 """The worker process: claim runs, hold them, drain on SIGTERM.
 
+Before anything else the worker waits for the database schema it needs, alive and not ready
+(``_until_schema``): on a fresh install its pods may start before the operator migrates.
+
 Beside the main claim loop run three kinds of side tasks (procrastinate's shape):
 
 * one listener on LISTEN/NOTIFY: a cancel of a held run aborts its task at once (an in-flight
@@ -47,6 +50,7 @@ from agentrun.config import DEFAULT_MODEL_DEADLINE
 from agentrun.errors import ConfigError, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.manifests import pool_problem
+from agentrun.migrations import latest_version, schema_version
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
@@ -60,6 +64,14 @@ log = logging.getLogger("agentrun.worker")
 CONTROL_HOST = "127.0.0.1"
 
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
+
+#: A worker waiting for its schema checks again after 0.5 s, then twice as long each time up to
+#: this (and within a quarter of its liveness threshold, which each successful check stamps): a
+#: migration is picked up within seconds, at one tiny query per check.
+SCHEMA_RECHECK_MAX = 5.0
+#: While it waits, the waiting line is said again this often, so that `kubectl logs --since=...`
+#: still shows why a pod is not ready.
+SCHEMA_WAIT_REMINDER = 600.0
 
 
 def default_worker_id() -> str:
@@ -184,8 +196,10 @@ class Worker:
             s.lease_ttl,
         )
         runners = await self._start_servers()
-        listener = asyncio.create_task(self._listen(), name="listener")
+        listener: asyncio.Task[None] | None = None
         try:
+            await self._until_schema()
+            listener = asyncio.create_task(self._listen(), name="listener")
             await self._until_listening()
             self.health.ready = True
             await self._claim_loop()
@@ -200,8 +214,9 @@ class Worker:
             # Every step of the shutdown is bounded: once the runs are released nothing may keep
             # the process from exiting (an intermittent hang after release was seen once, and
             # not reproduced since; kill -USR1 dumps the stacks if it ever recurs).
-            listener.cancel()
-            await asyncio.wait({listener}, timeout=5)
+            if listener is not None:
+                listener.cancel()
+                await asyncio.wait({listener}, timeout=5)
             for runner in runners:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(runner.cleanup(), 5)
@@ -220,6 +235,75 @@ class Worker:
             os._exit(1)
         log.info("%s: draining %d run(s)", sig.name, len(self.active))
         self.request_drain()
+
+    async def _until_schema(self) -> None:
+        """Return once the database schema is at the version this worker needs; until then, not
+        ready but alive. Raise a one-line ConfigError on a schema newer than it knows. A drain
+        ends the wait.
+
+        On a fresh install the worker pods may start before the operator has migrated (or before
+        anyone ran `agentrun migrate`). Exiting then made the kubelet restart them (issue 19);
+        waiting costs nothing, and readiness says why the pod is not serving. The wait has no
+        bound: a worker is useless without its schema, restarting it would not bring the schema
+        any sooner, and a pod that stays unready is what Kubernetes shows and alerts on. A
+        worker does not migrate by itself: the schema is the operator's (or the person's who
+        runs `agentrun migrate`), and a worker's database role need not own the tables.
+
+        A schema newer than the worker knows is an error, not a wait: this worker's code was not
+        written for it (an old image after an upgrade migrated, or a rollback of the image only),
+        and only another image helps. The process exits 2 with the line; the pod's restarts and
+        logs say it."""
+        s = self.settings
+        need = latest_version()
+        said_at: float | None = None
+        failures = checks = 0
+        while not self.draining:
+            try:
+                async with self.store.pool.connection() as conn:
+                    have = await schema_version(conn)
+            except DB_ERRORS as exc:
+                # No liveness stamp: a database that stays away is an outage (invariant 8).
+                failures += 1
+                delay = min(SCHEMA_RECHECK_MAX, 0.5 * 2 ** min(failures, 4))
+                log.warning(
+                    "schema check failed (%s); database unreachable? retry in %.1fs",
+                    " ".join(str(exc).split())[:200],
+                    delay,
+                )
+            else:
+                failures = 0
+                self.health.progress()  # waiting for the schema is not being wedged
+                if have == need:
+                    self.health.waiting_for = None
+                    if said_at is not None:
+                        log.info("database schema at version %d: no longer waiting", have)
+                    return
+                if have > need:
+                    raise ConfigError(
+                        f"the database schema is at version {have}, newer than this worker "
+                        f"knows ({need}): upgrade the worker to the agentrun release that "
+                        "migrated it"
+                    )
+                self.health.waiting_for = (
+                    f"database schema version {need} (it is at {have}): run `agentrun migrate`, "
+                    "or let the operator migrate it"
+                )
+                now = time.monotonic()
+                if said_at is None or now - said_at >= SCHEMA_WAIT_REMINDER:
+                    log.warning(
+                        "waiting for the database schema: it is at version %d, this worker "
+                        "needs version %d; run `agentrun migrate` (the operator does at "
+                        "start-up unless --no-migrate). Not ready until then",
+                        have,
+                        need,
+                    )
+                    said_at = now
+                # Quick at first (the operator usually migrates within seconds of the install),
+                # then every few seconds.
+                checks += 1
+                delay = min(SCHEMA_RECHECK_MAX, s.liveness_threshold / 4, 0.25 * 2**checks)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), timeout=delay)
 
     async def _until_listening(self) -> None:
         """Ready, and the first claim, only once LISTEN is open: a run created from then on
@@ -533,14 +617,31 @@ class Worker:
             await self._recheck_held_runs()
 
     def _on_run_changed(self, event: dict[str, object]) -> None:
+        """A held run's row changed (payload: migration 0002's agentrun_notify_run_v2).
+
+        The epoch says which claim the notification is about; only the claim bumps it, so it
+        orders them. A newer one: another worker claimed the run (its lease lapsed), abort. An
+        older one was sent before this claim and heard after it (the run's insert notification
+        commonly is): it tells nothing about this hold, whatever its status or rollback flag
+        says, and is ignored. Aborting on it dropped a run just claimed without releasing it, so
+        the run stalled for the whole lease and spent an attempt (issue 19). Only a notification
+        about this very claim can cancel the run or ask it to roll back."""
         rid = UUID(str(event["id"]))
         h = self.active.get(rid)
         if h is None:
             return
-        if event["status"] == "cancelled":
-            h.abort("cancelled")
-        elif event["epoch"] != h.lease.epoch:
+        epoch = event.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            log.warning("notification without an epoch ignored: %s", event,
+                        extra={"run_id": str(rid)})
+            return
+        if epoch < h.lease.epoch:
+            log.debug("stale notification ignored: epoch %d is before this claim's %d (%s)",
+                      epoch, h.lease.epoch, event.get("status"), extra={"run_id": str(rid)})
+        elif epoch > h.lease.epoch:
             h.abort("lease lost")
+        elif event.get("status") == "cancelled":
+            h.abort("cancelled")
         elif event.get("rollback"):
             h.rollback_requested = True
 

@@ -677,7 +677,9 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     client = make_client()
     url = database_url()
     await check_connect(url)
-    await ensure_schema(url, auto=_using_embedded())
+    if _using_embedded():
+        await ensure_schema(url, auto=True)
+    # Any other database: the worker waits for its schema, alive and not ready (Worker.serve).
     if loaded:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
     store = await Store.open(url, max_size=args.concurrency + 3, lease_ttl=args.lease_ttl)

@@ -1,0 +1,124 @@
+"""A worker started before its schema exists waits for it, alive and not ready (issue 19).
+
+On a fresh install the worker pods may start before the operator has migrated the database.
+They used to exit at once ("the database schema is at version 0 ... run agentrun migrate") and
+were restarted by the kubelet. Now a worker says once what it waits for, keeps /healthz at 200
+(so the kubelet does not restart it) and /readyz at 503, and starts claiming as soon as the
+schema is there. A schema newer than the worker knows is still an error it exits on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import run_cli
+from workerkit import AGENT, FakeFactory, WorkerProc, Workers, echo_scenario, wait_for, wait_run
+
+from agentrun.migrations import latest_version
+from agentrun.store import Store
+
+
+def get(port: int | None, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+    except OSError:
+        return 0, ""  # not serving (yet, or any more)
+
+
+def last_progress(w: WorkerProc) -> float:
+    """The worker's liveness clock as /metrics shows it (0 before its first stamp)."""
+    _, body = get(w.health_port, "/metrics")
+    m = re.search(r"^agentrun_last_progress_timestamp_seconds (\S+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def waiting_lines(w: WorkerProc) -> list[dict[str, Any]]:
+    return [x for x in w.json_lines() if "waiting for the database schema" in x.get("msg", "")]
+
+
+@pytest.fixture
+def bare(tmp_path: Path, empty_database_url: str) -> Iterator[Workers]:
+    """Workers on a database nobody has migrated."""
+    w = Workers(
+        env={"AGENTRUN_DATABASE_URL": empty_database_url, "ANTHROPIC_API_KEY": "test"},
+        tmp=tmp_path,
+    )
+    try:
+        yield w
+    finally:
+        w.stop_all()
+
+
+async def test_a_worker_on_an_unmigrated_database_waits_alive_and_unready_then_works(
+    bare: Workers, fake: FakeFactory, empty_database_url: str
+) -> None:
+    bare.env["ANTHROPIC_BASE_URL"] = fake(echo_scenario(2)).base_url
+    w = bare.start("w", health=True, poll=0.5)
+    alive = lambda: w.popen.poll() is None  # noqa: E731
+    await wait_for(lambda: bool(waiting_lines(w)) or not alive(), 30, "the waiting line")
+    assert alive(), w.output()  # before issue 19: exit 2, "the schema is at version 0"
+    [line] = waiting_lines(w)
+    need = latest_version()
+    assert f"version {need}" in line["msg"] and "agentrun migrate" in line["msg"], line
+    assert line["level"] == "warning"
+
+    # Alive for the kubelet (its liveness clock moves on while it waits), not ready for traffic.
+    first = last_progress(w)
+    await wait_for(lambda: last_progress(w) > first > 0 or not alive(), 30, "liveness stamps")
+    assert alive()
+    assert get(w.health_port, "/healthz")[0] == 200
+    status, body = get(w.health_port, "/readyz")
+    assert status == 503
+    ready = json.loads(body)
+    assert ready["ready"] is False and f"version {need}" in ready["waiting_for"], ready
+    assert len(waiting_lines(w)) == 1  # said once, not at every check
+
+    # The operator (here: the CLI) migrates; the worker turns ready and works, never restarted.
+    migrated = run_cli("migrate", env={"AGENTRUN_DATABASE_URL": empty_database_url})
+    assert migrated.returncode == 0, migrated.stderr
+    await wait_for(lambda: get(w.health_port, "/readyz")[0] == 200 or not alive(), 30, "ready")
+    assert alive()
+    assert "waiting_for" not in json.loads(get(w.health_port, "/readyz")[1])
+    async with await Store.open(empty_database_url, max_size=2) as store:
+        run, _ = await store.create_run("echo twice", AGENT)
+        done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert (done.status, done.attempt, done.lease_owner) == ("succeeded", 1, None), done.error
+    assert alive()
+    msgs = [x["msg"] for x in w.json_lines()]
+    assert any(m.startswith(f"database schema at version {need}") for m in msgs), msgs
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0
+
+
+async def test_a_worker_waiting_for_its_schema_stops_cleanly_on_sigterm(bare: Workers) -> None:
+    w = bare.start("w", health=True)
+    await wait_for(lambda: bool(waiting_lines(w)) or w.popen.poll() is not None, 30, "waiting")
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0, w.output()
+
+
+async def test_a_schema_newer_than_the_worker_knows_is_a_one_line_error(
+    bare: Workers, empty_database_url: str
+) -> None:
+    assert run_cli("migrate", env={"AGENTRUN_DATABASE_URL": empty_database_url}).returncode == 0
+    newer = latest_version() + 1
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO agentrun_migration (version, name) VALUES (%s, 'from_later')",
+                     (newer,))  # fmt: skip
+    w = bare.start("w", health=True)
+    assert w.wait() == 2, w.output()  # before issue 19 it started and claimed runs
+    errors = [line for line in w.output().splitlines() if f"version {newer}" in line]
+    assert len(errors) == 1, w.output()
+    assert "newer than this worker knows" in errors[0] and "upgrade" in errors[0], errors
