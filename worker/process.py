@@ -238,7 +238,7 @@ class Worker:
 
     async def _until_schema(self) -> None:
         """Return once the database schema is at the version this worker needs; until then, not
-        ready but alive. Raise a one-line ConfigError on a schema newer than it knows. A drain
+        ready but alive; on a schema newer than it knows, warn and go on. A drain
         ends the wait.
 
         On a fresh install the worker pods may start before the operator has migrated (or before
@@ -249,10 +249,11 @@ class Worker:
         worker does not migrate by itself: the schema is the operator's (or the person's who
         runs `agentrun migrate`), and a worker's database role need not own the tables.
 
-        A schema newer than the worker knows is an error, not a wait: this worker's code was not
-        written for it (an old image after an upgrade migrated, or a rollback of the image only),
-        and only another image helps. The process exits 2 with the line; the pod's restarts and
-        logs say it."""
+        A schema newer than the worker knows (an old image after an upgrade migrated, during the
+        rollout or after a rollback of the image only) is said once as a warning and the worker
+        works on, as it did before issue 19: a release's migrations are written so the previous
+        release keeps working through its rollout. Exiting instead would crash-loop every worker
+        of a rolled-back image and stop all runs, the worst answer to a rollback."""
         s = self.settings
         need = latest_version()
         said_at: float | None = None
@@ -279,11 +280,15 @@ class Worker:
                         log.info("database schema at version %d: no longer waiting", have)
                     return
                 if have > need:
-                    raise ConfigError(
-                        f"the database schema is at version {have}, newer than this worker "
-                        f"knows ({need}): upgrade the worker to the agentrun release that "
-                        "migrated it"
+                    log.warning(
+                        "the database schema is at version %d, newer than this worker knows "
+                        "(%d); working on, but upgrade the worker to the "
+                        "agentrun release that migrated it",
+                        have,
+                        need,
                     )
+                    self.health.waiting_for = None
+                    return
                 self.health.waiting_for = (
                     f"database schema version {need} (it is at {have}): run `agentrun migrate`, "
                     "or let the operator migrate it"
