@@ -21,6 +21,8 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import run_cli
+from proxykit import TcpProxy
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from workerkit import AGENT, FakeFactory, WorkerProc, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.migrations import latest_version
@@ -132,3 +134,66 @@ async def test_a_schema_newer_than_the_worker_knows_is_one_warning_and_work_goes
     assert done.status == "succeeded", done.error
     w.signal(signal.SIGTERM)
     assert w.wait() == 0
+
+
+def _through(url: str, proxy: TcpProxy) -> str:
+    """``url`` (a conninfo) pointed at the proxy instead."""
+    params = conninfo_to_dict(url)
+    params.update(host="127.0.0.1", port=str(proxy.port))
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def down_db(tmp_path: Path, database_url: str) -> Iterator[tuple[Workers, TcpProxy]]:
+    """Workers whose (migrated) database refuses every connection until the test restores it:
+    the chart's own PostgreSQL still starting when the worker pods do."""
+    params = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)))
+    proxy.start()
+    proxy.cut()
+    w = Workers(
+        env={"AGENTRUN_DATABASE_URL": _through(database_url, proxy), "ANTHROPIC_API_KEY": "test"},
+        tmp=tmp_path,
+    )
+    try:
+        yield w, proxy
+    finally:
+        w.stop_all()
+        proxy.stop()
+
+
+def db_waiting_lines(w: WorkerProc) -> list[dict[str, Any]]:
+    return [x for x in w.json_lines() if "waiting for the database:" in x.get("msg", "")]
+
+
+async def test_a_worker_whose_database_is_not_up_yet_waits_then_works(
+    down_db: tuple[Workers, TcpProxy], fake: FakeFactory, database_url: str
+) -> None:
+    ws, proxy = down_db
+    ws.env["ANTHROPIC_BASE_URL"] = fake(echo_scenario(2)).base_url
+    w = ws.start("w", health=True, poll=0.5)
+    alive = lambda: w.popen.poll() is None  # noqa: E731
+    await wait_for(lambda: bool(db_waiting_lines(w)) or not alive(), 30, "the waiting line")
+    assert alive(), w.output()  # before: exit 3, "cannot connect to PostgreSQL"
+    [line] = db_waiting_lines(w)
+    assert line["level"] == "warning" and "cannot connect to PostgreSQL" in line["msg"], line
+    proxy.restore()
+    await wait_for(lambda: get(w.health_port, "/readyz")[0] == 200 or not alive(), 30, "ready")
+    assert alive(), w.output()
+    async with await Store.open(database_url, max_size=2) as store:
+        run, _ = await store.create_run("echo twice", AGENT)
+        done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "succeeded", done.error
+    assert any(x["msg"] == "the database answers: no longer waiting" for x in w.json_lines())
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0
+
+
+async def test_a_worker_waiting_for_its_database_stops_cleanly_on_sigterm(
+    down_db: tuple[Workers, TcpProxy],
+) -> None:
+    ws, _ = down_db
+    w = ws.start("w", health=True)
+    await wait_for(lambda: bool(db_waiting_lines(w)) or w.popen.poll() is not None, 30, "waiting")
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0, w.output()

@@ -47,11 +47,11 @@ from aiohttp import web
 from psycopg_pool import PoolTimeout
 
 from agentrun.config import DEFAULT_MODEL_DEADLINE
-from agentrun.errors import ConfigError, LeaseLost, RunCancelled
+from agentrun.errors import ConfigError, DatabaseUnavailable, LeaseLost, RunCancelled
 from agentrun.logs import current_run_id
 from agentrun.manifests import pool_problem
 from agentrun.migrations import latest_version, schema_version
-from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store
+from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store, check_connect
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
@@ -72,6 +72,45 @@ SCHEMA_RECHECK_MAX = 5.0
 #: While it waits, the waiting line is said again this often, so that `kubectl logs --since=...`
 #: still shows why a pod is not ready.
 SCHEMA_WAIT_REMINDER = 600.0
+
+
+async def until_database(url: str) -> bool:
+    """Return True once the database accepts a connection; False if SIGTERM or SIGINT came
+    first. Before the worker opens its pool and serves.
+
+    On a fresh install with the chart's own PostgreSQL the worker pods start with the database;
+    exiting at the first refused connection made the kubelet restart them (issue 19). Waiting
+    keeps the pod's restart count for real failures. No liveness is served meanwhile: a
+    database that stays away past the kubelet's patience is an outage (invariant 8), reported
+    by restarts as before. A refused login is configuration and still raises at once."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        failures = 0
+        said_at: float | None = None
+        while not stop.is_set():
+            try:
+                await check_connect(url)
+            except DatabaseUnavailable as exc:
+                failures += 1
+                now = time.monotonic()
+                if said_at is None or now - said_at >= SCHEMA_WAIT_REMINDER:
+                    log.warning("waiting for the database: %s; retrying until it answers", exc)
+                    said_at = now
+                delay = min(SCHEMA_RECHECK_MAX, 0.25 * 2 ** min(failures, 5))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+            else:
+                if said_at is not None:
+                    log.info("the database answers: no longer waiting")
+                return True
+        log.info("stopped while waiting for the database")
+        return False
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 def default_worker_id() -> str:

@@ -647,6 +647,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         check_settings,
         default_worker_id,
         exit_past_lingering_threads,
+        until_database,
     )
 
     setup_logging(args.log_format, args.log_level)
@@ -676,9 +677,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     loaded = load_tool_modules(args.tools)
     client = make_client()
     url = database_url()
-    await check_connect(url)
     if _using_embedded():
+        await check_connect(url)
         await ensure_schema(url, auto=True)
+    elif not await until_database(url):  # a fresh install: the database may start after us
+        return 0
     # Any other database: the worker waits for its schema, alive and not ready (Worker.serve).
     if loaded:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
