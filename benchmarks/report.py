@@ -63,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tput": {"turns": 3, "min_runs": 2, "per_slot": 1, "concurrencies": (1, 4)},
         "idle_s": 10,
         "held": 10,
+        "prune_steps": 20_000,
     },
     "small": {
         "store_steps": 1000,
@@ -74,6 +75,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tput": {"turns": 10, "min_runs": 16, "per_slot": 4, "concurrencies": (1, 4, 16)},
         "idle_s": 30,
         "held": 100,
+        "prune_steps": 200_000,
     },
     "large": {
         "store_steps": 4000,
@@ -85,9 +87,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tput": {"turns": 20, "min_runs": 32, "per_slot": 8, "concurrencies": (1, 4, 16)},
         "idle_s": 120,
         "held": 100,
+        "prune_steps": 1_000_000,
     },
 }
-SECTIONS = ("store", "per_step", "resume", "cancel", "throughput", "idle", "operator", "memory")
+SECTIONS = (
+    "store", "per_step", "resume", "cancel", "throughput", "prune", "idle", "operator", "memory"
+)
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
 WORKER_MEMORY_REQUEST_MIB = 256
 WORKER_MEMORY_LIMIT_MIB = 512
@@ -209,6 +214,7 @@ def run_all(
     preset: str, admin_url: str | None, only: set[str], log: Clock
 ) -> tuple[dict[str, Any], dict[str, str]]:
     import fleet_bench
+    import prune_bench
     import store_bench
     import worker_bench
     from throwaway_db import fresh_database, pick_admin_url, throwaway_database
@@ -235,6 +241,14 @@ def run_all(
                 log(
                     f"store: append {s['append_1_ratio']:.2f}x raw (1 writer), "
                     f"{s['append_16_ratio']:.2f}x (16); {s['claims_per_s']:.0f} claims/s"
+                )
+        if "prune" in only:
+            with (
+                section(res, errors, "prune", log),
+                throwaway_database("agentrun_rp", admin) as url,
+            ):
+                res["prune"] = asyncio.run(
+                    prune_bench.prune_bench(url, steps=p["prune_steps"], log=log)
                 )
         worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput") if n in only]
         if worker_sections:
@@ -385,12 +399,16 @@ F_CANCEL = "cancel during a model call"
 F_SFZ = "scale from zero (operator against the emulator)"
 F_SFZ_REAL = "scale from zero (operator against a real API server)"
 F_MEM = "memory per worker process (RSS)"
+F_FOLLOW = "store append, 16 writers, with followers (logs -f) vs before migration 0008"
+F_PRUNE = "prune of finished runs beside live appends (benchmarks/prune_bench.py)"
 NO_GOAL = "no goal set"
 GOALS = {
     F_STEP: "< 2 ms/step",
     F_APPEND: "≤ 1.3x",
     F_XACT: "one transaction",
     F_CLAIM: NO_GOAL,
+    F_FOLLOW: "no follower: ≥ 0.9x (noise)",
+    F_PRUNE: "no live step touched, no writer waits on a lock, every old finished run gone",
     F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (one claim and one lease check per 5 s poll)",
     F_OP_IDLE: NO_GOAL,
     F_KILL: "≤ lease TTL + 1 s",
@@ -403,13 +421,14 @@ GOALS = {
 }
 SECTION_FIGURES = {
     "per_step": [F_STEP],
-    "store": [F_APPEND, F_XACT, F_CLAIM],
+    "store": [F_APPEND, F_XACT, F_CLAIM, F_FOLLOW],
     "throughput": ["steps/s with 1 and 2 worker processes"],
     "idle": [F_IDLE],
     "resume": [F_KILL, F_TERM],
     "cancel": [F_CANCEL],
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
     "memory": [F_MEM],
+    "prune": [F_PRUNE],
 }
 
 
@@ -469,6 +488,27 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
             f"{s['claims_per_s']:,.0f}/s ({s['claim_ratio']:.2f}x the raw statement's "
             f"{s['raw_claims_per_s']:,.0f}/s)",
             None,
+        )
+    if not skipped("store", [F_FOLLOW]) and "followers" in res["store"]:
+        f = res["store"]["followers"]
+        ratio = f["ratio_vs_before"]
+        row(
+            F_FOLLOW,
+            ", ".join(f"{v}: {f['per_s'][v]:,.0f}/s ({ratio[v]:.2f}x)" for v in f["per_s"]),
+            ratio["no follower"] >= 0.9,
+        )
+    if not skipped("prune"):
+        r = res["prune"]
+        pr, la, lk = r["prune"], r["live_appends"], r["locks"]
+        row(
+            F_PRUNE,
+            f"{pr['steps_deleted']:,} steps of {pr['runs_deleted']:,} runs in {pr['wall_s']:.1f} s "
+            f"({pr['steps_per_s']:,.0f} steps/s, batch max {pr['batch_max_s']:.2f} s); live "
+            f"appends p50 {la['during_prune']['p50_ms']:.2f} ms ({la['ratio_p50']:.2f}x the "
+            f"baseline), max {la['during_prune']['max_ms']:.0f} ms; "
+            f"{lk['writer_lock_waits_seen']} lock waits seen; "
+            + ("checks passed" if not r["problems"] else "; ".join(r["problems"])),
+            not r["problems"] and lk["writer_lock_waits_seen"] == 0,
         )
     if not skipped("idle"):
         q = res["idle"]["queries_per_minute"]

@@ -12,6 +12,11 @@ Baselines, run in the same process on the same database:
   * raw-4stmt: the textbook transaction BEGIN; UPDATE agent_run; INSERT agent_step; COMMIT, for
     scale: what the single-statement fence saves.
 
+Followers (``follower_bench``): the append notifies agentrun_run_steps only for a run with a
+follower (``agentrun logs -f``, migration 0008). 16 writers on raw connections, interleaved and
+repeated: the append as it was before that (``before``: no follower check, the SQL below), the
+append with no follower anywhere, with a follower on one of the 16 runs, and on all 16.
+
 It also counts the transactions an append costs: the ``xact_commit`` + ``xact_rollback`` delta of
 the benchmark database in ``pg_stat_database`` over a few hundred appends (read from another
 database, so the reading is not counted). Goal: one.
@@ -73,6 +78,29 @@ RAW_4STMT_INSERT = (
     "INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, worker) "
     "VALUES (%(run_id)s, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(worker)s)"
 )
+
+
+#: queries.sql append_step before migration 0008 (no follower check, no notification): the
+#: baseline of :func:`follower_bench`.
+APPEND_BEFORE_FOLLOWERS = """
+WITH fence AS (
+    UPDATE agent_run
+       SET next_seq      = greatest(next_seq, %(seq)s + 1),
+           lease_until   = now() + make_interval(secs => %(ttl)s),
+           input_tokens  = input_tokens + %(input_tokens)s,
+           output_tokens = output_tokens + %(output_tokens)s
+     WHERE id = %(run_id)s
+       AND lease_owner = %(worker)s
+       AND lease_epoch = %(epoch)s
+       AND status = 'running'
+    RETURNING id
+)
+INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, worker)
+SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(worker)s
+  FROM fence
+RETURNING seq, created_at
+"""
+FOLLOWER_VARIANTS = ("before", "no follower", "1 of 16 followed", "16 of 16 followed")
 
 
 def pct(values: list[float], p: float) -> float:
@@ -280,6 +308,78 @@ async def transactions_per_append(url: str, appends: int = 300) -> float:
     return (after - before) / appends
 
 
+async def follower_bench(url: str, steps: int = 2000, repeat: int = 3) -> dict[str, Any]:
+    """Appends/s of 16 writers for each of :data:`FOLLOWER_VARIANTS` (see the module docstring),
+    the median of ``repeat`` interleaved rounds, and each one's ratio to ``before``."""
+    writers = 16
+    per = max(20, steps // writers)
+    async with await Store.open(url, max_size=2) as store:
+        for _ in range(writers):
+            await store.create_run("bench", AGENT, pool="followers")
+        claimed = await store.claim("followers", "bench", limit=writers, ttl=3600)
+        leases = [lease for _, lease in claimed.claimed]
+        conns = [
+            await psycopg.AsyncConnection.connect(url, autocommit=True, prepare_threshold=0)
+            for _ in range(writers)
+        ]
+        seqs = [0] * writers
+        try:
+
+            async def round_of(variant: str, n: int) -> float:
+                query = APPEND_BEFORE_FOLLOWERS if variant == "before" else queries["append_step"]
+                followed = {"1 of 16 followed": 1, "16 of 16 followed": writers}.get(variant, 0)
+                for lease in leases[:followed]:
+                    await store.follow_run(lease.run_id, "bench", lease=3600)
+
+                async def loop(i: int) -> None:
+                    lease = leases[i]
+                    for _ in range(n):
+                        seq, seqs[i] = seqs[i], seqs[i] + 1
+                        cur = await conns[i].execute(
+                            query,
+                            {"run_id": lease.run_id, "worker": lease.worker,
+                             "epoch": lease.epoch, "ttl": 3600, "seq": seq,
+                             "kind": "model_turn", "payload": Jsonb(PAYLOAD),
+                             "request_id": "req", "input_tokens": 0, "output_tokens": 0},
+                        )
+                        assert await cur.fetchone() is not None
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(loop(i) for i in range(writers)))
+                rate = writers * n / (time.perf_counter() - t0)
+                for lease in leases[:followed]:
+                    await store.unfollow_run(lease.run_id, "bench")
+                return rate
+
+            rates: dict[str, list[float]] = {v: [] for v in FOLLOWER_VARIANTS}
+            for variant in FOLLOWER_VARIANTS:
+                await round_of(variant, 10)  # warm up: prepared statements
+            for _ in range(repeat):
+                for variant in FOLLOWER_VARIANTS:
+                    rates[variant].append(await round_of(variant, per))
+        finally:
+            for c in conns:
+                await c.close()
+    before = statistics.median(rates["before"])
+    return {
+        "writers": writers,
+        "appends_per_round": writers * per,
+        "rounds": repeat,
+        "per_s": {v: statistics.median(r) for v, r in rates.items()},
+        "all_per_s": rates,
+        "ratio_vs_before": {v: statistics.median(r) / before for v, r in rates.items()},
+    }
+
+
+def print_followers(f: dict[str, Any]) -> None:
+    print(
+        f"append, {f['writers']} writers, by followers ({f['rounds']} interleaved rounds of "
+        f"{f['appends_per_round']} appends, median):"
+    )
+    for v, rate in f["per_s"].items():
+        print(f"  {v:20} {rate:9.0f}/s  {f['ratio_vs_before'][v]:.2f}x the rate before")
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The headline figures of :func:`bench`'s rows."""
 
@@ -307,6 +407,7 @@ async def store_bench(url: str, steps: int = 2000, runs: int = 1000) -> dict[str
     rows = await bench(url, steps, runs)
     out = summarize(rows)
     out["transactions_per_append"] = await transactions_per_append(url)
+    out["followers"] = await follower_bench(url, steps)
     out.update(rows=rows, steps=steps, runs=runs)
     return out
 
@@ -342,6 +443,7 @@ def main() -> int:
         results = asyncio.run(store_bench(url, args.steps, args.runs))
         print_table(results["rows"])
         print(f"transactions per append: {results['transactions_per_append']:.2f} (goal: 1)")
+        print_followers(results["followers"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -154,3 +154,26 @@ def test_the_operator_bench_is_imported_lazily_and_called_when_it_is_there(
     assert table[report.F_SFZ].met is True
     assert table[report.F_SFZ].measured == "0.80 s (p50; max 1.20 s over 5 trials)"
     assert table[report.F_OP_IDLE].measured == "1.5 transactions/min"
+
+
+def test_the_prune_and_follower_figures_are_judged() -> None:
+    res = _results()
+    res["store"]["followers"] = {  # type: ignore[index]
+        "per_s": {"before": 1600.0, "no follower": 1580.0},
+        "ratio_vs_before": {"before": 1.0, "no follower": 0.99},
+    }
+    res["prune"] = {
+        "prune": {"steps_deleted": 1000, "runs_deleted": 10, "wall_s": 1.0, "steps_per_s": 1000.0,
+                  "batch_max_s": 0.2},
+        "live_appends": {"during_prune": {"p50_ms": 2.0, "max_ms": 9.0}, "ratio_p50": 1.1},
+        "locks": {"writer_lock_waits_seen": 0},
+        "problems": [],
+    }
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table[report.F_FOLLOW].met is True
+    assert "no follower: 1,580/s (0.99x)" in table[report.F_FOLLOW].measured
+    assert table[report.F_PRUNE].met is True
+    res["prune"]["problems"] = ["live steps changed during the prune"]
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table[report.F_PRUNE].met is False
+    assert "live steps changed" in table[report.F_PRUNE].measured

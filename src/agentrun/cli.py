@@ -20,10 +20,11 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -63,6 +64,8 @@ from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
+    CHANNEL_RUN_STEPS,
+    FOLLOWER_LEASE,
     ManifestName,
     Run,
     RunStatus,
@@ -205,10 +208,17 @@ WAIT_FOR = ("succeeded", "finished")
 RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 #: After the LISTEN connection drops, how long before it is opened again (and the run re-read).
 RELISTEN_DELAY = 1.0
-#: ``logs -f``: how often the step log is read. A committed step sends no notification (by
-#: design: a NOTIFY in every append halves append throughput, see migration 0001), so new steps
-#: are read on this tick; a status change (the run's end among them) arrives by LISTEN at once.
-FOLLOW_INTERVAL = 0.5
+#: ``logs -f`` hears of each new step by LISTEN on agentrun_run_steps, which an append notifies
+#: only while the run has a follower (a NOTIFY in every append halves append throughput,
+#: migrations 0001 and 0008): it registers itself in run_follower for FOLLOWER_LEASE seconds
+#: (AGENTRUN_FOLLOW_LEASE), renews at a third of that, and deletes its row when it exits. It
+#: also re-reads the log every FOLLOW_RESYNC seconds (AGENTRUN_FOLLOW_RESYNC) in case a
+#: notification was lost: a step whose append began before the registration committed and
+#: ended after the first read, or one committed while the LISTEN connection was down. The run's
+#: end arrives on agentrun_run_changed.
+FOLLOW_RESYNC_ENV = "AGENTRUN_FOLLOW_RESYNC"
+FOLLOW_RESYNC = 5.0
+FOLLOW_LEASE_ENV = "AGENTRUN_FOLLOW_LEASE"
 
 
 def _print_run(run: Run, output: str) -> None:
@@ -227,16 +237,29 @@ async def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Why :meth:`RunChanges.changed` woke: LISTEN was (re)established (anything may have changed),
+#: the run changed (agentrun_run_changed), a step was appended (agentrun_run_steps).
+Wake = Literal["listening", "run", "steps"]
+
+
 class RunChanges:
     """Wakes whoever follows one run when it may have changed: once LISTEN on
     agentrun_run_changed is in place (and again after every reconnect: the re-check that covers
-    what happened while nothing listened), and on every notification about the run."""
+    what happened while nothing listened), and on every notification about the run. With
+    ``steps``, it also listens on agentrun_run_steps (sent only for a followed run: see
+    :meth:`Store.follow_run`)."""
 
-    def __init__(self, store: Store, run_id: Any) -> None:
+    def __init__(self, store: Store, run_id: Any, *, steps: bool = False) -> None:
         self.store = store
         self.run_id = str(run_id)
+        self.channels = [CHANNEL_RUN_CHANGED, *([CHANNEL_RUN_STEPS] if steps else [])]
         self._wake = asyncio.Event()
+        self._why: set[Wake] = set()
         self._task: asyncio.Task[None] | None = None
+
+    def _set(self, why: Wake) -> None:
+        self._why.add(why)
+        self._wake.set()
 
     async def __aenter__(self) -> RunChanges:
         self._task = asyncio.create_task(self._listen())
@@ -254,14 +277,18 @@ class RunChanges:
         def listening() -> None:
             nonlocal lost
             lost = False
-            self._wake.set()
+            self._set("listening")
 
         while True:
             try:
-                async for n in self.store.listen([CHANNEL_RUN_CHANGED], on_listening=listening):
+                async for n in self.store.listen(self.channels, on_listening=listening):
+                    if n.channel == CHANNEL_RUN_STEPS:
+                        if n.payload == self.run_id:
+                            self._set("steps")
+                        continue
                     payload = n.json()
                     if isinstance(payload, dict) and payload.get("id") == self.run_id:
-                        self._wake.set()
+                        self._set("run")
             except (psycopg.Error, OSError) as exc:
                 if not lost:
                     print(
@@ -272,8 +299,9 @@ class RunChanges:
                 lost = True
             await asyncio.sleep(RELISTEN_DELAY)
 
-    async def changed(self, within: float | None) -> bool:
-        """Wait up to ``within`` seconds (None: for ever) for a wake-up; False: none came."""
+    async def changed(self, within: float | None) -> frozenset[Wake]:
+        """Wait up to ``within`` seconds (None: for ever) for a wake-up; what woke it (several
+        at once if they came together), empty when nothing came in time."""
         assert self._task is not None, "use RunChanges as an async context manager"
         waiter = asyncio.ensure_future(self._wake.wait())
         try:
@@ -285,9 +313,11 @@ class RunChanges:
         if self._task in done:  # the listener died of something it does not retry
             self._task.result()
         if waiter not in done:
-            return False
+            return frozenset()
         self._wake.clear()  # before the caller re-reads: a change after this wakes it again
-        return True
+        why = frozenset(self._why)
+        self._why.clear()
+        return why
 
 
 async def wait_for_end(
@@ -355,6 +385,62 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     return _wait_code(run, args.awaited)
 
 
+@contextlib.asynccontextmanager
+async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[None]:
+    """Registered as a follower of the run (so its appends notify) for as long as the block
+    runs: renewed at a third of ``lease``, deleted at the end."""
+    follower = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    await store.follow_run(run_id, follower, lease)
+
+    async def renew() -> None:
+        failing = False  # said once an outage, not at every renewal
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                await store.follow_run(run_id, follower, lease)
+                failing = False
+            except (psycopg.Error, OSError) as exc:
+                if not failing:  # steps still come, from the re-read every FOLLOW_RESYNC
+                    print(
+                        f"agentrun: run {run_id}: cannot renew the follow of its steps "
+                        f"({' '.join(str(exc).split())[:200]}); trying again",
+                        file=sys.stderr,
+                    )
+                failing = True
+
+    task = asyncio.create_task(renew())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # Left behind (the database is down, or a SIGKILL): it expires after ``lease``.
+        with contextlib.suppress(psycopg.Error, OSError):
+            await store.unfollow_run(run_id, follower)
+
+
+async def _follow(
+    store: Store, run_id: Any, more: Callable[[], Coroutine[Any, Any, None]]
+) -> Run:
+    """Print the run's steps as they commit (``more``) until it ends; the run at its end."""
+    resync = env_float(FOLLOW_RESYNC_ENV, FOLLOW_RESYNC)
+    lease = env_float(FOLLOW_LEASE_ENV, FOLLOWER_LEASE)
+    for name, value in ((FOLLOW_RESYNC_ENV, resync), (FOLLOW_LEASE_ENV, lease)):
+        if not value > 0:
+            raise ConfigError(f"{name}={value:g}: must be more than 0 seconds")
+    async with _following(store, run_id, lease), RunChanges(store, run_id, steps=True) as ch:
+        while True:
+            why = await ch.changed(resync)
+            if why == {"steps"}:  # only new steps: the run is still live
+                await more()
+                continue
+            run = await store.get_run(run_id)  # read before the steps: none come after its end
+            await more()
+            if run.finished:
+                return run
+
+
 async def cmd_logs(args: argparse.Namespace) -> int:
     rid = parse_run_id(args.run)
 
@@ -380,9 +466,27 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         await more()
         if not args.follow:
             return 0
-        run = await wait_for_end(store, rid, None, tick=FOLLOW_INTERVAL, on_tick=more)
-        assert run is not None  # no timeout
-        await more()  # the steps committed before it ended and after the last tick
+        # SIGTERM ends the follow as Ctrl-C does, through the finally blocks that delete the
+        # follower row (asyncio.run cancels the task on SIGINT by itself).
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        terminated = False
+
+        def on_sigterm() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            run = await _follow(store, rid, more)
+        except asyncio.CancelledError:
+            if not terminated:
+                raise
+            return 128 + signal.SIGTERM
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
     print(_end_line(run), file=sys.stderr)
     return 0
 

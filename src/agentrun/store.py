@@ -76,6 +76,12 @@ StepKind = Literal["model_turn", "tool_result", "user", "note"]
 #: Notification channels (see docs/store.md).
 CHANNEL_RUN_CHANGED = "agentrun_run_changed"
 CHANNEL_RUN_READY = "agentrun_run_ready"
+#: Payload: the run id. Sent by an append only while the run has a follower (migration 0008).
+CHANNEL_RUN_STEPS = "agentrun_run_steps"
+
+#: How long a follower's registration (:meth:`Store.follow_run`) holds unless renewed: a follower
+#: that dies without deleting its row stops costing appends a NOTIFY after this long.
+FOLLOWER_LEASE = 60.0
 
 #: The longest external key (a client's idempotency key) a run takes.
 MAX_EXTERNAL_KEY = 1024
@@ -1092,6 +1098,25 @@ class Store:
             cur = conn.cursor(row_factory=class_row(Step))
             await cur.execute(queries["list_steps_after"], {"run_id": run_id, "from_seq": from_seq})
             return await cur.fetchall()
+
+    async def follow_run(
+        self, run_id: UUID, follower: str, lease: float = FOLLOWER_LEASE
+    ) -> datetime:
+        """Register (or renew) ``follower`` on the run for ``lease`` seconds: until then, each
+        step appended to it is notified on :data:`CHANNEL_RUN_STEPS`. Renew well before the
+        returned expiry; :meth:`unfollow_run` when done. Deletes expired registrations."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                queries["follow_run"], {"run_id": run_id, "follower": follower, "lease": lease}
+            )
+            row = await cur.fetchone()
+        assert row is not None  # an upsert always returns its row
+        until: datetime = row[0]
+        return until
+
+    async def unfollow_run(self, run_id: UUID, follower: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(queries["unfollow_run"], {"run_id": run_id, "follower": follower})
 
     # -- retry, restart and prune (issue 14) ------------------------------------------------
 
