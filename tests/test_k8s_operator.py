@@ -406,6 +406,45 @@ async def test_delete_lets_the_object_go_at_once_cancels_the_run_and_keeps_the_h
     assert [s.seq for s in await store.steps(run.id)] == [0]  # the history stays
 
 
+async def test_finished_agentruns_carry_no_finalizer_and_their_namespace_goes_with_no_operator(
+    cluster: Kube, operators: NsOperators, store: Store, release: Release
+) -> None:
+    # Issue 19: after `helm uninstall`, deleting the namespace hung on every finished AgentRun's
+    # finalizer (92 on a real node), with no operator left to remove them. A finished run's
+    # object needs nothing from the operator (its rows stay in the store); a live one's deletion
+    # cancels its run from the watch's DELETED event, or at the next resync when the operator
+    # was away (test_a_run_whose_object_vanished_unseen_is_cancelled_once): no object waits.
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    names = ["done-0", "done-1", "done-2", "live"]
+    for name in names:
+        cluster.apply_agentrun(agentrun_manifest(name))
+    runs = {name: await run_of(store, cluster, name) for name in names}
+    leases = {lease.run_id: lease for _, lease in (
+        await store.claim("default", "w", limit=4, ttl=60)).claimed}
+    for name, end in zip(names[:3], ("succeeded", "failed", "cancelled"), strict=True):
+        await store.finish(leases[runs[name].id], end,  # type: ignore[arg-type]
+                           result="done" if end == "succeeded" else None,
+                           error=None if end == "succeeded" else f"{end} here")
+    for name in names[:3]:
+        await eventually(lambda n=name: status(cluster, n).get("finishedAt"), 15, "mirrored")
+    await eventually(lambda: status(cluster, "live").get("phase") == "running", 15, "live")
+    for name in names:
+        meta = (cluster.agentrun(name) or {})["metadata"]
+        assert not meta.get("finalizers"), (name, meta.get("finalizers"))
+
+    # The operator stopped and uninstalled, as a user tears down: deletes complete at once.
+    op.stop()
+    cluster.helm("uninstall", release.name, "-n", cluster.namespace, "--wait")
+    assert cluster.delete_agentrun("done-0") == 200
+    assert cluster.agentrun("done-0") is None
+    assert cluster.request("DELETE", f"/api/v1/namespaces/{cluster.namespace}")[0] == 200
+    await eventually(lambda: cluster.get(f"/api/v1/namespaces/{cluster.namespace}") is None, 60,
+                     "the namespace gone with its finished (and live) AgentRuns")
+    # The store keeps the history: the finished rows are as they were.
+    assert (await store.get_run(runs["done-1"].id)).status == "failed"
+
+
 async def test_unknown_agent_is_a_condition_until_the_agent_exists(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:
