@@ -81,6 +81,9 @@ def scenario() -> dict[str, Any]:
     turns.append({"content": [{"text": "All done: every step once."}]})
     # The same steps, slower: a run that outlives its neighbours (the scale-down scenario).
     slow = [{**t, "delay_ms": 4 * TURN_DELAY_MS} for t in turns]
+    # Slower still: a run that outlives a whole rolling upgrade (new pods started and Ready,
+    # then the old ones drained), so the old pods are replaced while they hold it.
+    crawl = [{**t, "delay_ms": 8 * TURN_DELAY_MS} for t in turns]
     def hog(every_attempt: bool) -> list[dict[str, Any]]:
         return [
             {"content": [{"text": "Looking first."},
@@ -94,7 +97,8 @@ def scenario() -> dict[str, Any]:
         ]
 
     return {"name": "e2e", "delay_ms": TURN_DELAY_MS,
-            "scripts": [{"name": "slow", "match": "SLOW", "turns": slow},
+            "scripts": [{"name": "crawl", "match": "CRAWL", "turns": crawl},
+                        {"name": "slow", "match": "SLOW", "turns": slow},
                         {"name": "oom-once", "match": "OOM-ONCE", "turns": hog(False)},
                         {"name": "oom-always", "match": "OOM-ALWAYS", "turns": hog(True)},
                         {"name": "ledger", "turns": turns}]}
@@ -174,10 +178,12 @@ class Installed:
     # -- one scenario -------------------------------------------------------------------------
 
     def scenario(self, name: str, disrupt: Callable[[], dict[str, Any] | None], *,
-                 runs: int = 4, within: float = 240, slow: bool = False) -> dict[str, Any]:
+                 runs: int = 4, within: float = 240, pace: str = "") -> dict[str, Any]:
+        """``pace``: "SLOW" or "CRAWL" for runs that outlive a disruption that takes a while
+        to reach the worker (a pod's termination, a rollout)."""
         wait_for(lambda: len(self.ready_workers()) >= 2, 180, "two ready workers")
-        self.apply_runs(name, runs, tasks=[f"{name} run {i}: SLOW" for i in range(runs)]
-                        if slow else None)
+        self.apply_runs(name, runs, tasks=[f"{name} run {i}: {pace}" for i in range(runs)]
+                        if pace else None)
         # Mid-flight: every run has committed a few steps and is held by a worker.
         wait_for(lambda: len(r := self.runs(name)) == runs and all(
             x["step"] >= 3 and x["status"] == "running" for x in r.values()), 120,
@@ -200,7 +206,9 @@ class Installed:
                    "next_step_after_disruption_s": spread(list(after.values())),
                    # The runs the disrupted pod held: their hand-over (or lease expiry).
                    "affected_next_step_s": spread([after[n] for n in affected]),
-                   **self.handovers(name, t0)}
+                   **self.handovers(name, t0),
+                   # Which workers wrote each run's steps, in order (a change of hands shows).
+                   "writers": self.writers(name)}
         self.figures.record(name, **figures)
         return figures
 
@@ -221,6 +229,18 @@ class Installed:
             out[kind] = {"count": len(mine), "runs": sorted({r[0] for r in mine}),
                          "claimed_after_s": spread([float(r[2]) for r in mine]),
                          "gap_s": spread([float(r[3]) for r in mine if r[3] is not None])}
+        return out
+
+    def writers(self, prefix: str) -> dict[str, list[str]]:
+        """Each run's step writers in order, consecutive repeats collapsed."""
+        out: dict[str, list[str]] = {}
+        for name, worker in self.query(
+                "SELECT r.k8s_name, s.worker FROM agent_step s JOIN agent_run r ON r.id = s.run_id "
+                "WHERE r.k8s_namespace = %s AND r.k8s_name LIKE %s ORDER BY r.k8s_name, s.seq",
+                NAMESPACE, f"{prefix}-%"):
+            seen = out.setdefault(name, [])
+            if not seen or seen[-1] != worker:
+                seen.append(worker)
         return out
 
     def events(self, prefix: str, reason: str) -> dict[str, list[dict[str, Any]]]:
@@ -454,19 +474,23 @@ def test_a_graceful_pod_delete_hands_the_runs_over_at_once(installed: Installed)
         installed.node.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--wait=false")
         return {"pod": pod}
 
-    figures = installed.scenario("graceful", delete)
+    # Slow runs (2.8 s a turn): the kubelet takes seconds to run the preStop hook, and a run at
+    # the normal pace finished on the deleted pod before it drained (the store showed no
+    # hand-over: every step by one worker).
+    figures = installed.scenario("graceful", delete, pace="SLOW")
     # preStop drain + SIGTERM: runs are released, not expired; the attempt is not counted, and
-    # the next step comes well before a lease could have expired.
+    # the next worker claims each at once, well before a lease could have expired.
     assert figures["affected"], figures
     assert figures["attempts"] == [1, 1, 1, 1], figures
-    assert figures["affected_next_step_s"]["max"] < LEASE_TTL, figures
     assert figures["handed_over"]["runs"] == figures["affected"], figures
+    assert figures["handed_over"]["gap_s"]["max"] < LEASE_TTL, figures
     assert figures["lease_expired"]["count"] == 0, figures
     installed.assert_events_tell_hand_overs_from_expiries("graceful", figures)
 
 
 def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
     def upgrade() -> dict[str, Any]:
+        t0 = installed.now()
         old = installed.ready_workers()
         installed.node.helm(
             "upgrade", RELEASE, "charts/agentrun", "-n", NAMESPACE, "--reuse-values",
@@ -474,11 +498,13 @@ def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
             "--set-string", f"workers.poolDefaults.podAnnotations.e2e/rollout={uuid.uuid4().hex}")
         installed.node.kubectl("rollout", "status", "-n", NAMESPACE, "--timeout=180s",
                                f"deployment/{RELEASE}-agentrun-worker-default", timeout=200)
-        return {"pods": old}
+        return {"pods": old, "rollout_s": (installed.now() - t0).total_seconds()}
 
-    # Slow runs (2.8 s a turn): the old pods are replaced while they still hold them.
-    figures = installed.scenario("upgrade", upgrade, slow=True)
+    # Crawling runs (5.6 s a turn): the old pods are replaced while they still hold them (at
+    # 2.8 s a turn the runs ended on the old pods before the rollout reached them).
+    figures = installed.scenario("upgrade", upgrade, pace="CRAWL")
     assert figures["affected"], figures
+    assert figures["handed_over"]["count"] >= 1, figures
     # Every old pod drained and handed its runs over: no attempt counted (a run whose lease
     # had to expire would have been claimed again, which counts one).
     assert figures["attempts"] == [1, 1, 1, 1], figures
