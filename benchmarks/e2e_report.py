@@ -97,7 +97,7 @@ def render(figures: dict[str, dict[str, Any]]) -> str:
     if "uninstall" in figures:
         u = figures["uninstall"]
         lines += [
-            f"Then `helm uninstall` and `kubectl delete namespace`: the namespace went with its "
+            f"Then the release uninstalled and its namespace deleted: the namespace went with its "
             f"{u.get('agentruns')} finished AgentRuns, none of which carried a finalizer "
             "(no operator was left to remove one).",
             "",
