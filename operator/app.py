@@ -94,6 +94,7 @@ class OperatorApp:
             max_patches_per_second=settings.max_patches_per_second,
             on_gone=self._object_gone,
             namespaces=settings.namespaces,
+            unseen_grace=max(settings.resync_interval, 5.0),
         )
         self.autoscaler = Autoscaler(kube, settings.pools, metrics)
         self._tasks: list[asyncio.Task[None]] = []

@@ -107,6 +107,7 @@ class StatusMirror:
         max_patches_per_second: float,
         on_gone: Callable[[Tracked, Run | None], Awaitable[None]] | None = None,
         namespaces: list[str] | None = None,
+        unseen_grace: float = 0.0,
     ) -> None:
         self.kube = kube
         self.metrics = metrics
@@ -124,6 +125,15 @@ class StatusMirror:
         self._stale: dict[UUID, Run] = {}
         self._wake = asyncio.Event()
         self._bucket = TokenBucket(max_patches_per_second)
+        #: A run whose object the watch has not listed yet (an operator just started: its first
+        #: resync may come before kopf's listing) waits this long for it, from when the mirror
+        #: first met it. Met through the watch, the object comes with its status, from which the
+        #: Events of what happened while no operator watched are told (a hand-over, a finish);
+        #: met through the store alone it gets none. After the grace the object is handled
+        #: anyway (one deleted while the operator was away is never listed: its patch finds it
+        #: gone).
+        self.unseen_grace = unseen_grace
+        self._unseen: dict[str, float] = {}
 
     # -- what handlers and the listener call ----------------------------------------------------
 
@@ -140,6 +150,7 @@ class StatusMirror:
     ) -> None:
         if uid in self.gone:
             return
+        self._unseen.pop(uid, None)
         t = self.objects.get(uid)
         if t is None:
             t = Tracked(namespace, name, uid, dict(status or {}), Snapshot.from_status(status),
@@ -227,6 +238,10 @@ class StatusMirror:
         if t is None:
             if not (run.k8s_namespace and run.k8s_name):
                 return
+            first = self._unseen.setdefault(uid, time.monotonic())
+            if time.monotonic() - first < self.unseen_grace:
+                return  # the watch lists it in a moment; the next resync brings it back if not
+            self._unseen.pop(uid, None)
             t = Tracked(run.k8s_namespace, run.k8s_name, uid, known=False)
             self.objects[uid] = t
         new = status_for(run, db_up=self.db_up, previous=t.status, generation=t.generation)

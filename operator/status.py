@@ -59,6 +59,9 @@ class Reason(StrEnum):
     CANCEL_IGNORED = "CancelIgnored"
     RETRIED = "Retried"
     EXPIRED = "Expired"
+    #: Warning: the holder's lease ran out (SIGKILL, OOM kill, node loss); another worker took
+    #: the run over. A graceful release is HANDED_OVER (Normal).
+    LEASE_EXPIRED = "LeaseExpired"
 
 #: ``.status.result`` and ``.status.error`` are truncated to this: objects live in etcd, the full
 #: text in the store (``agentrun steps RUN``).
@@ -329,19 +332,7 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
         )
     )
     if claimed_again:
-        if old is not None and old.status == "running" and old.worker and old.worker != new.worker:
-            out.append(Event(
-                "Warning", Reason.RESUMED,
-                f"{old.worker} stopped renewing its lease; resumed by {new.worker} at step "
-                f"{run.next_seq} (attempt {run.attempt})",
-            ))
-        elif run.lease_epoch > 1:  # every claim bumps the epoch; a release keeps the attempt
-            out.append(Event(
-                "Normal", Reason.RESUMED, f"resumed by {new.worker} at step {run.next_seq}"
-                f" (attempt {run.attempt})",
-            ))
-        else:
-            out.append(Event("Normal", Reason.CLAIMED, f"claimed by {new.worker}"))
+        out.append(_claim_event(run))
     waits_anew = new.status == "waiting_approval" and (
         old is None or old.status != new.status or old.pending_seq != new.pending_seq
         or old.pending_attempt != new.pending_attempt
@@ -369,3 +360,32 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
         elif new.status == "cancelled":
             out.append(Event("Normal", Reason.CANCELLED, one_line(run.error or "cancelled", 1000)))
     return out
+
+
+def _claim_event(run: Run) -> Event:
+    """The Event of the claim ``run`` is under now. What happened before it is read from the
+    store's record of that claim (migration 0008), never from what the operator remembers: the
+    operator sees changes coalesced (a release and the next claim 10 ms apart look like one
+    change of worker) and forgets everything when it restarts. The step named is where the claim
+    resumed, not where the run is when the operator gets to it."""
+    h = run.handover or {}
+    if h.get("epoch") != run.lease_epoch:
+        h = {}  # a record of an earlier claim: this one followed no holder (abandon, approval)
+    if h.get("kind") == "handed_over":
+        return Event(
+            "Normal", Reason.HANDED_OVER,
+            one_line(f"{h.get('from')} handed the run over at step {h.get('step')}; resumed by "
+                     f"{run.lease_owner} (attempt {run.attempt})", 1000),
+        )
+    if h.get("kind") == "lease_expired":
+        return Event(
+            "Warning", Reason.LEASE_EXPIRED,
+            one_line(f"{h.get('from')} stopped renewing its lease; resumed by {run.lease_owner} "
+                     f"at step {h.get('step')} (attempt {run.attempt})", 1000),
+        )
+    if run.lease_epoch > 1:  # every claim bumps the epoch
+        return Event(
+            "Normal", Reason.RESUMED,
+            f"resumed by {run.lease_owner} at step {run.claim_seq} (attempt {run.attempt})",
+        )
+    return Event("Normal", Reason.CLAIMED, f"claimed by {run.lease_owner}")

@@ -33,11 +33,49 @@ def test_a_first_claim_seen_late_is_claimed_not_resumed() -> None:
     assert reasons(Snapshot("pending", 0, None, 0), late) == [("Normal", "Claimed")]
 
 
-def test_a_hand_over_is_a_normal_resume_and_a_lease_expiry_a_warning() -> None:
-    handed = run(status="running", lease_owner="w2", lease_epoch=2, attempt=1, next_seq=3)
-    assert reasons(Snapshot("pending", 1, None, 1), handed) == [("Normal", "Resumed")]
-    expired = run(status="running", lease_owner="w2", lease_epoch=2, attempt=2, next_seq=3)
-    assert reasons(Snapshot("running", 1, "w1", 1), expired) == [("Warning", "Resumed")]
+def handover(kind: str, epoch: int, step: int, holder: str = "w1") -> dict[str, Any]:
+    """What migration 0008's trigger writes on the claim that took a run over."""
+    return {"kind": kind, "from": holder, "to": "w2", "epoch": epoch, "step": step,
+            "lost_at": "2026-12-01T23:00:00+00:00", "claimed_at": "2026-12-01T23:00:00+00:00"}
+
+
+def test_a_release_seen_coalesced_with_the_next_claim_is_a_normal_hand_over() -> None:
+    # Release and claim 10 ms apart: the mirror sees w1 -> w2 with no pending in between. The
+    # store's record of the claim says it was a release, not a lease that ran out.
+    handed = run(status="running", lease_owner="w2", lease_epoch=2, attempt=1, next_seq=5,
+                 claim_seq=3, handover=handover("handed_over", 2, 3))
+    [e] = transitions(Snapshot("running", 1, "w1", 1), handed)
+    assert (e.type, e.reason) == ("Normal", "HandedOver")
+    assert e.message == "w1 handed the run over at step 3; resumed by w2 (attempt 1)"
+    # Seen in between as pending, the same.
+    assert reasons(Snapshot("pending", 1, None, 0), handed) == [("Normal", "HandedOver")]
+
+
+def test_only_an_expired_lease_is_a_warning() -> None:
+    expired = run(status="running", lease_owner="w2", lease_epoch=2, attempt=2, next_seq=4,
+                  claim_seq=3, handover=handover("lease_expired", 2, 3))
+    [e] = transitions(Snapshot("running", 1, "w1", 1), expired)
+    assert (e.type, e.reason) == ("Warning", "LeaseExpired")
+    assert e.message == "w1 stopped renewing its lease; resumed by w2 at step 3 (attempt 2)"
+
+
+def test_after_an_operator_restart_the_step_named_is_the_hand_overs_not_the_current_one() -> None:
+    # The restarted operator knows the object's old status only; the run moved on since.
+    before = run(status="running", lease_owner="w1", lease_epoch=1, attempt=1, next_seq=3)
+    shown = status_for(before, db_up=True, previous=None)
+    now = run(status="running", lease_owner="w2", lease_epoch=2, attempt=1, next_seq=11,
+              claim_seq=3, handover=handover("handed_over", 2, 3))
+    [e] = transitions(Snapshot.from_status(shown), now)
+    assert e.reason == "HandedOver" and "at step 3;" in e.message and "11" not in e.message
+
+
+def test_a_claim_after_no_holder_is_a_plain_resume_at_its_claim_step() -> None:
+    # The record is of an earlier claim (epoch 2); this claim followed an approval.
+    after_approval = run(status="running", lease_owner="w3", lease_epoch=3, attempt=2,
+                         next_seq=8, claim_seq=6, handover=handover("lease_expired", 2, 3))
+    [e] = transitions(Snapshot("pending", 2, None, 2), after_approval)
+    assert (e.type, e.reason, e.message) == ("Normal", "Resumed",
+                                             "resumed by w3 at step 6 (attempt 2)")
 
 
 def test_an_operator_restart_repeats_no_event() -> None:

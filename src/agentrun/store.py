@@ -397,10 +397,33 @@ class Run:
     retry_reason: str | None = None
     retried_error: str | None = None
     restarted_from: UUID | None = None
+    # Hand-overs (migration 0008): who released the run and when (until the next claim), and
+    # the latest change of hands: {"kind": "handed_over" | "lease_expired", "from", "to",
+    # "epoch" (the claim that took it over), "step" (where it resumed), "lost_at",
+    # "claimed_at"}. Every one is kept in run_handover (Store.handovers).
+    released_by: str | None = None
+    released_at: datetime | None = None
+    handover: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A run changing hands (the run_handover table): ``kind`` ``handed_over`` (its holder
+    released it) or ``lease_expired`` (the holder's lease ran out); ``epoch``: the claim that
+    took it over; ``step``: where that claim resumed; ``lost_at``: the release, or the expired
+    lease's end."""
+
+    epoch: int
+    kind: str
+    from_worker: str
+    to_worker: str | None
+    step: int
+    lost_at: datetime | None
+    claimed_at: datetime
 
 
 @dataclass(frozen=True)
@@ -1043,6 +1066,14 @@ class Store:
             cur = await conn.execute(queries["last_writer"], {"run_id": run_id})
             row = await cur.fetchone()
         return str(row[0]) if row else None
+
+    async def handovers(self, run_id: UUID) -> list[Handover]:
+        """Every change of hands of the run, oldest first: graceful hand-overs and the claims
+        that took over an expired lease (migration 0008)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Handover))
+            await cur.execute(queries["run_handovers"], {"run_id": run_id})
+            return list(await cur.fetchall())
 
     async def note_dead_letter(self, run_id: UUID, note: str) -> None:
         """Append ``note`` to a dead-lettered run's error (once; other runs are untouched)."""

@@ -23,7 +23,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,9 @@ def scenario() -> dict[str, Any]:
     turns.append({"content": [{"text": "All done: every step once."}]})
     # The same steps, slower: a run that outlives its neighbours (the scale-down scenario).
     slow = [{**t, "delay_ms": 4 * TURN_DELAY_MS} for t in turns]
+    # Slower still: a run that outlives a whole rolling upgrade (new pods started and Ready,
+    # then the old ones drained), so the old pods are replaced while they hold it.
+    crawl = [{**t, "delay_ms": 8 * TURN_DELAY_MS} for t in turns]
     def hog(every_attempt: bool) -> list[dict[str, Any]]:
         return [
             {"content": [{"text": "Looking first."},
@@ -94,7 +97,8 @@ def scenario() -> dict[str, Any]:
         ]
 
     return {"name": "e2e", "delay_ms": TURN_DELAY_MS,
-            "scripts": [{"name": "slow", "match": "SLOW", "turns": slow},
+            "scripts": [{"name": "crawl", "match": "CRAWL", "turns": crawl},
+                        {"name": "slow", "match": "SLOW", "turns": slow},
                         {"name": "oom-once", "match": "OOM-ONCE", "turns": hog(False)},
                         {"name": "oom-always", "match": "OOM-ALWAYS", "turns": hog(True)},
                         {"name": "ledger", "turns": turns}]}
@@ -121,6 +125,8 @@ class Installed:
     proxy: TcpProxy  # what pods use to reach it (on the bridge), which the cut scenario cuts
     model: Process
     figures: Figures
+    #: Worker pod -> container restarts, read right after `helm install --wait`.
+    install_restarts: dict[str, int] = field(default_factory=dict)
 
     # -- the store, read directly -------------------------------------------------------------
 
@@ -172,10 +178,12 @@ class Installed:
     # -- one scenario -------------------------------------------------------------------------
 
     def scenario(self, name: str, disrupt: Callable[[], dict[str, Any] | None], *,
-                 runs: int = 4, within: float = 240, slow: bool = False) -> dict[str, Any]:
+                 runs: int = 4, within: float = 240, pace: str = "") -> dict[str, Any]:
+        """``pace``: "SLOW" or "CRAWL" for runs that outlive a disruption that takes a while
+        to reach the worker (a pod's termination, a rollout)."""
         wait_for(lambda: len(self.ready_workers()) >= 2, 180, "two ready workers")
-        self.apply_runs(name, runs, tasks=[f"{name} run {i}: SLOW" for i in range(runs)]
-                        if slow else None)
+        self.apply_runs(name, runs, tasks=[f"{name} run {i}: {pace}" for i in range(runs)]
+                        if pace else None)
         # Mid-flight: every run has committed a few steps and is held by a worker.
         wait_for(lambda: len(r := self.runs(name)) == runs and all(
             x["step"] >= 3 and x["status"] == "running" for x in r.values()), 120,
@@ -197,9 +205,69 @@ class Installed:
         figures = {**result, **extra, "runs": runs, "affected": affected,
                    "next_step_after_disruption_s": spread(list(after.values())),
                    # The runs the disrupted pod held: their hand-over (or lease expiry).
-                   "affected_next_step_s": spread([after[n] for n in affected])}
+                   "affected_next_step_s": spread([after[n] for n in affected]),
+                   **self.handovers(name, t0),
+                   # Which workers wrote each run's steps, in order (a change of hands shows).
+                   "writers": self.writers(name)}
         self.figures.record(name, **figures)
         return figures
+
+    def handovers(self, prefix: str, since: Any) -> dict[str, Any]:
+        """The store's record of every change of hands since ``since`` (run_handover,
+        migration 0008), hand-overs apart from lease expiries: how many, which runs, the time
+        from ``since`` to the claim that took each over, and from the release (or the lease's
+        end) to that claim."""
+        rows = self.query(
+            "SELECT r.k8s_name, h.kind, EXTRACT(EPOCH FROM h.claimed_at - %s), "
+            "EXTRACT(EPOCH FROM h.claimed_at - h.lost_at) FROM run_handover h "
+            "JOIN agent_run r ON r.id = h.run_id WHERE r.k8s_namespace = %s "
+            "AND r.k8s_name LIKE %s AND h.claimed_at > %s ORDER BY h.claimed_at",
+            since, NAMESPACE, f"{prefix}-%", since)
+        out: dict[str, Any] = {}
+        for kind in ("handed_over", "lease_expired"):
+            mine = [r for r in rows if r[1] == kind]
+            out[kind] = {"count": len(mine), "runs": sorted({r[0] for r in mine}),
+                         "claimed_after_s": spread([float(r[2]) for r in mine]),
+                         "gap_s": spread([float(r[3]) for r in mine if r[3] is not None])}
+        return out
+
+    def writers(self, prefix: str) -> dict[str, list[str]]:
+        """Each run's step writers in order, consecutive repeats collapsed."""
+        out: dict[str, list[str]] = {}
+        for name, worker in self.query(
+                "SELECT r.k8s_name, s.worker FROM agent_step s JOIN agent_run r ON r.id = s.run_id "
+                "WHERE r.k8s_namespace = %s AND r.k8s_name LIKE %s ORDER BY r.k8s_name, s.seq",
+                NAMESPACE, f"{prefix}-%"):
+            seen = out.setdefault(name, [])
+            if not seen or seen[-1] != worker:
+                seen.append(worker)
+        return out
+
+    def events(self, prefix: str, reason: str) -> dict[str, list[dict[str, Any]]]:
+        """The operator's Events of ``reason`` on the AgentRuns of ``prefix``, by object."""
+        items = self.node.get("events", "-n", NAMESPACE, "--field-selector",
+                              f"reason={reason}")["items"]
+        out: dict[str, list[dict[str, Any]]] = {}
+        for e in items:
+            name = e["involvedObject"]["name"]
+            if e["involvedObject"].get("kind") == "AgentRun" and name.startswith(f"{prefix}-"):
+                out.setdefault(name, []).append(e)
+        return out
+
+    def assert_events_tell_hand_overs_from_expiries(self, prefix: str,
+                                                    figures: dict[str, Any]) -> None:
+        """Each run the store says was handed over has a Normal HandedOver Event; each run
+        whose lease expired a Warning LeaseExpired one; a run only handed over has no Warning
+        (issue 19: 11 of 14 hand-overs were Warnings)."""
+        handed = set(figures["handed_over"]["runs"])
+        expired = set(figures["lease_expired"]["runs"])
+        wait_for(lambda: handed <= set(self.events(prefix, "HandedOver"))
+                 and expired <= set(self.events(prefix, "LeaseExpired")), 60,
+                 f"the HandedOver and LeaseExpired Events of {prefix}")
+        for name, events in self.events(prefix, "HandedOver").items():
+            assert {e["type"] for e in events} == {"Normal"}, (name, events)
+        warned = set(self.events(prefix, "LeaseExpired"))
+        assert warned == expired, (warned, figures)
 
     def finish(self, name: str, within: float) -> list[str]:
         """Wait for every run of ``name`` to end. A run killed inside its irreversible call waits
@@ -331,6 +399,12 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
                   "--wait", "--timeout", "5m")
         inst = Installed(node, pg, db, proxy, model, figures)
         wait_for(lambda: len(inst.ready_workers()) == 2, 180, "two ready workers")
+        # Before any scenario breaks anything: what the fresh install's pods went through.
+        inst.install_restarts = {
+            p["metadata"]["name"]: sum(c.get("restartCount", 0)
+                                       for c in p["status"].get("containerStatuses", []))
+            for p in node.get("pods", "-n", NAMESPACE, "-l",
+                              "app.kubernetes.io/component=worker")["items"]}
         yield inst
     finally:
         if model is not None:
@@ -339,6 +413,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             proxy.stop()
         node.down()
         pg.close()
+
+
+def test_a_fresh_install_starts_its_workers_without_a_restart(installed: Installed) -> None:
+    # Issue 19: a fresh install's worker restarted once with "the database schema is at
+    # version 0" (it started before the operator had migrated).
+    assert installed.install_restarts, "no worker pods after install"
+    assert set(installed.install_restarts.values()) == {0}, installed.install_restarts
 
 
 def test_helm_test_passes_on_the_installed_release(installed: Installed) -> None:
@@ -361,6 +442,10 @@ def test_a_worker_killed_with_sigkill_loses_nothing(installed: Installed) -> Non
     assert figures["affected"], figures
     assert figures["attempts"].count(2) == len(figures["affected"]), figures
     assert figures["affected_next_step_s"]["min"] >= LEASE_TTL * 0.5, figures
+    # The store and the Events say so: lease expiries, no hand-over.
+    assert figures["lease_expired"]["runs"] == figures["affected"], figures
+    assert figures["handed_over"]["count"] == 0, figures
+    installed.assert_events_tell_hand_overs_from_expiries("sigkill", figures)
 
 
 def test_a_force_deleted_worker_pod_loses_nothing(installed: Installed) -> None:
@@ -377,6 +462,10 @@ def test_a_force_deleted_worker_pod_loses_nothing(installed: Installed) -> None:
     assert figures["affected"], figures
     # Whatever the kubelet did, a run is never claimed more than once for it.
     assert max(figures["attempts"]) <= 2, figures
+    # Each held run changed hands once, one way or the other, and its Event says which.
+    assert sorted(figures["handed_over"]["runs"] + figures["lease_expired"]["runs"]) == (
+        figures["affected"]), figures
+    installed.assert_events_tell_hand_overs_from_expiries("force", figures)
 
 
 def test_a_graceful_pod_delete_hands_the_runs_over_at_once(installed: Installed) -> None:
@@ -385,16 +474,23 @@ def test_a_graceful_pod_delete_hands_the_runs_over_at_once(installed: Installed)
         installed.node.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--wait=false")
         return {"pod": pod}
 
-    figures = installed.scenario("graceful", delete)
+    # Slow runs (2.8 s a turn): the kubelet takes seconds to run the preStop hook, and a run at
+    # the normal pace finished on the deleted pod before it drained (the store showed no
+    # hand-over: every step by one worker).
+    figures = installed.scenario("graceful", delete, pace="SLOW")
     # preStop drain + SIGTERM: runs are released, not expired; the attempt is not counted, and
-    # the next step comes well before a lease could have expired.
+    # the next worker claims each at once, well before a lease could have expired.
     assert figures["affected"], figures
     assert figures["attempts"] == [1, 1, 1, 1], figures
-    assert figures["affected_next_step_s"]["max"] < LEASE_TTL, figures
+    assert figures["handed_over"]["runs"] == figures["affected"], figures
+    assert figures["handed_over"]["gap_s"]["max"] < LEASE_TTL, figures
+    assert figures["lease_expired"]["count"] == 0, figures
+    installed.assert_events_tell_hand_overs_from_expiries("graceful", figures)
 
 
 def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
     def upgrade() -> dict[str, Any]:
+        t0 = installed.now()
         old = installed.ready_workers()
         installed.node.helm(
             "upgrade", RELEASE, "charts/agentrun", "-n", NAMESPACE, "--reuse-values",
@@ -402,14 +498,19 @@ def test_a_rolling_helm_upgrade_costs_nothing(installed: Installed) -> None:
             "--set-string", f"workers.poolDefaults.podAnnotations.e2e/rollout={uuid.uuid4().hex}")
         installed.node.kubectl("rollout", "status", "-n", NAMESPACE, "--timeout=180s",
                                f"deployment/{RELEASE}-agentrun-worker-default", timeout=200)
-        return {"pods": old}
+        return {"pods": old, "rollout_s": (installed.now() - t0).total_seconds()}
 
-    # Slow runs (2.8 s a turn): the old pods are replaced while they still hold them.
-    figures = installed.scenario("upgrade", upgrade, slow=True)
+    # Crawling runs (5.6 s a turn): the old pods are replaced while they still hold them (at
+    # 2.8 s a turn the runs ended on the old pods before the rollout reached them).
+    figures = installed.scenario("upgrade", upgrade, pace="CRAWL")
     assert figures["affected"], figures
+    assert figures["handed_over"]["count"] >= 1, figures
     # Every old pod drained and handed its runs over: no attempt counted (a run whose lease
     # had to expire would have been claimed again, which counts one).
     assert figures["attempts"] == [1, 1, 1, 1], figures
+    assert figures["lease_expired"]["count"] == 0, figures
+    assert set(figures["affected"]) <= set(figures["handed_over"]["runs"]), figures
+    installed.assert_events_tell_hand_overs_from_expiries("upgrade", figures)
 
 
 def test_the_operator_pod_killed_mid_run_costs_nothing(installed: Installed) -> None:
@@ -421,7 +522,8 @@ def test_the_operator_pod_killed_mid_run_costs_nothing(installed: Installed) -> 
                                    "--grace-period=0", "--force")
         return {}
 
-    installed.scenario("operator", kill_operator)
+    figures = installed.scenario("operator", kill_operator)
+    assert figures["handed_over"]["count"] == figures["lease_expired"]["count"] == 0, figures
     # The new operator mirrors the end of every run.
     for i in range(4):
         wait_for(lambda n=i: installed.node.get("agentrun", f"operator-{n}", "-n", NAMESPACE)
@@ -484,6 +586,9 @@ def test_a_node_drain_respects_the_disruption_budget(installed: Installed) -> No
     assert figures["evicted"] == 1, figures  # the budget held the second worker
     # The evicted pod drained (preStop) and handed its runs over: no attempt counted.
     assert figures["attempts"] == [1, 1, 1, 1], figures
+    assert figures["lease_expired"]["count"] == 0, figures
+    assert set(figures["affected"]) <= set(figures["handed_over"]["runs"]), figures
+    installed.assert_events_tell_hand_overs_from_expiries("drain", figures)
 
 
 def test_a_scale_down_removes_idle_pods_never_a_busy_one(installed: Installed) -> None:
@@ -576,11 +681,28 @@ def test_an_oom_kill_resumes_the_run_and_a_run_that_always_ooms_is_dead_lettered
     kills = installed.query("SELECT count(*) FROM ledger_attempts a JOIN agent_run r "
                             "ON a.run_id = r.id::text WHERE r.k8s_name LIKE 'oom-%%' "
                             "AND a.tool = 'hog' AND a.at > %s", t0)[0][0]
+    changes = installed.handovers("oom", t0)
+    # An OOM kill is a death, not a drain: the store says their leases expired.
+    assert changes["lease_expired"]["count"] >= 1, changes
     installed.figures.record(
         "oom", runs=4, steps=2 * STEPS + 7, duplicates=0, lost=0,
         attempts=sorted(r["attempt"] for r in runs.values()), hog_calls=kills,
         oom_killed_containers=reasons.count("OOMKilled"),
-        dead_lettered=["oom-1"])
+        dead_lettered=["oom-1"], **changes)
+
+
+def test_uninstall_then_deleting_the_namespace_does_not_hang(installed: Installed) -> None:
+    # Issue 19: after `helm uninstall`, deleting the namespace hung on every finished AgentRun's
+    # finalizer, with no operator left to remove them. Last in this module: it removes it all.
+    node = installed.node
+    objects = node.get("agentruns", "-n", NAMESPACE)["items"]
+    assert objects and all(not o["metadata"].get("finalizers") for o in objects), [
+        (o["metadata"]["name"], o["metadata"].get("finalizers")) for o in objects]
+    node.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "3m")
+    node.kubectl("delete", "namespace", NAMESPACE, "--timeout=120s", timeout=150)
+    gone = node.kubectl("get", "namespace", NAMESPACE, check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr, (gone.stdout, gone.stderr)
+    installed.figures.record("uninstall", agentruns=len(objects), finalizers=0)
 
 
 def operator_log(node: Node) -> str:

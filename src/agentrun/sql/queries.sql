@@ -130,7 +130,9 @@ RETURNING lease_until;
 -- the attempt is given back, since a deploy is not a sign of a poison run.
 UPDATE agent_run
    SET status = 'pending', lease_owner = NULL, lease_until = NULL,
-       attempt = greatest(attempt - 1, 0), stalled_attempts = greatest(stalled_attempts - 1, 0)
+       attempt = greatest(attempt - 1, 0), stalled_attempts = greatest(stalled_attempts - 1, 0),
+       -- who gave it back, for the next claim's hand-over record (migration 8)
+       released_by = %(worker)s, released_at = now()
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING id;
@@ -361,6 +363,11 @@ SELECT pool, status, count(*) AS n FROM agent_run GROUP BY pool, status;
 -- last_writer --
 -- The worker that committed a run's last step: after a dead letter, whose process died last.
 SELECT worker FROM agent_step WHERE run_id = %(run_id)s ORDER BY seq DESC LIMIT 1;
+
+-- run_handovers --
+-- Every change of hands of one run (migration 8), oldest first.
+SELECT epoch, kind, from_worker, to_worker, step, lost_at, claimed_at
+  FROM run_handover WHERE run_id = %(run_id)s ORDER BY epoch;
 
 -- note_dead_letter --
 -- Appends why a dead-lettered run's workers died (found by the operator, e.g. OOMKilled), once.
