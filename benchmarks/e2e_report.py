@@ -7,7 +7,7 @@ The figures are what the tier measured while it checked its guarantees (a real n
 built from the Dockerfile, the chart installed with Helm): per scenario, the runs broken
 mid-flight, their steps and emails, duplicates and lost steps (always 0, or the tier fails), the
 attempts each run ended with, the time from the disruption to each run's next committed step,
-and, from the store's record of every change of hands (run_handover, migration 0008), the
+and, from the store's record of every change of hands (run_handover, migration 0009), the
 graceful hand-overs apart from the lease expiries, with their times.
 """
 
@@ -78,7 +78,7 @@ def render(figures: dict[str, dict[str, Any]]) -> str:
     lines += [
         "",
         "Hand-overs and lease expiries are the store's record of every claim that took a run "
-        "over from a holder (`run_handover`, migration 0008), since the disruption: *handed "
+        "over from a holder (`run_handover`, migration 0009), since the disruption: *handed "
         "over* when the holder released the run (its drain: the attempt is given back; the "
         "operator posts a Normal `HandedOver` Event), *lease expired* when the holder was still "
         "the owner and its lease ran out (a Warning `LeaseExpired`). The tier checks that each "

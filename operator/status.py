@@ -364,7 +364,7 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
 
 def _claim_event(run: Run) -> Event:
     """The Event of the claim ``run`` is under now. What happened before it is read from the
-    store's record of that claim (migration 0008), never from what the operator remembers: the
+    store's record of that claim (migration 0009), never from what the operator remembers: the
     operator sees changes coalesced (a release and the next claim 10 ms apart look like one
     change of worker) and forgets everything when it restarts. The step named is where the claim
     resumed, not where the run is when the operator gets to it."""

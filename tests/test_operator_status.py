@@ -34,7 +34,7 @@ def test_a_first_claim_seen_late_is_claimed_not_resumed() -> None:
 
 
 def handover(kind: str, epoch: int, step: int, holder: str = "w1") -> dict[str, Any]:
-    """What migration 0008's trigger writes on the claim that took a run over."""
+    """What migration 0009's trigger writes on the claim that took a run over."""
     return {"kind": kind, "from": holder, "to": "w2", "epoch": epoch, "step": step,
             "lost_at": "2026-12-01T23:00:00+00:00", "claimed_at": "2026-12-01T23:00:00+00:00"}
 

@@ -76,7 +76,7 @@ StepKind = Literal["model_turn", "tool_result", "user", "note"]
 #: Notification channels (see docs/store.md).
 CHANNEL_RUN_CHANGED = "agentrun_run_changed"
 CHANNEL_RUN_READY = "agentrun_run_ready"
-#: Payload: the run id. Sent by an append only while the run has a follower (migration 0008).
+#: Payload: the run id. Sent by an append only while the run has a follower (migration 0009).
 CHANNEL_RUN_STEPS = "agentrun_run_steps"
 
 #: How long a follower's registration (:meth:`Store.follow_run`) holds unless renewed: a follower
@@ -397,7 +397,7 @@ class Run:
     retry_reason: str | None = None
     retried_error: str | None = None
     restarted_from: UUID | None = None
-    # Hand-overs (migration 0008): who released the run and when (until the next claim), and
+    # Hand-overs (migration 0009): who released the run and when (until the next claim), and
     # the latest change of hands: {"kind": "handed_over" | "lease_expired", "from", "to",
     # "epoch" (the claim that took it over), "step" (where it resumed), "lost_at",
     # "claimed_at"}. Every one is kept in run_handover (Store.handovers).
@@ -1069,7 +1069,7 @@ class Store:
 
     async def handovers(self, run_id: UUID) -> list[Handover]:
         """Every change of hands of the run, oldest first: graceful hand-overs and the claims
-        that took over an expired lease (migration 0008)."""
+        that took over an expired lease (migration 0009)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Handover))
             await cur.execute(queries["run_handovers"], {"run_id": run_id})

@@ -214,7 +214,7 @@ class Installed:
 
     def handovers(self, prefix: str, since: Any) -> dict[str, Any]:
         """The store's record of every change of hands since ``since`` (run_handover,
-        migration 0008), hand-overs apart from lease expiries: how many, which runs, the time
+        migration 0009), hand-overs apart from lease expiries: how many, which runs, the time
         from ``since`` to the claim that took each over, and from the release (or the lease's
         end) to that claim."""
         rows = self.query(
