@@ -57,7 +57,7 @@ from agentrun.config import (
     redact_url,
 )
 from agentrun.embedded import database_url
-from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
+from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
@@ -197,7 +197,6 @@ async def cmd_steps(args: argparse.Namespace) -> int:
 #: The exit code of ``agentrun wait`` / ``submit --wait`` for a run that ended otherwise than
 #: awaited (the awaited end is 0), and for a ``--timeout`` that ran out (as coreutils timeout).
 WAIT_EXIT_CODES: dict[str, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6}
-EXIT_TIMEOUT = 124
 #: The values of ``--for``: "succeeded" (exit 0 only if the run succeeds) or "finished" (exit 0
 #: whatever its end).
 WAIT_FOR = ("succeeded", "finished")
@@ -794,10 +793,16 @@ async def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``agentrun demo --timeout``: the whole demo's deadline (it takes about 30 s).
+DEMO_TIMEOUT = 300.0
+
+
 async def cmd_demo(args: argparse.Namespace) -> int:
     from agentrun.demo import run_demo
 
-    return await run_demo(model=args.model)
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: must be more than 0 seconds")
+    return await run_demo(model=args.model, deadline=args.timeout)
 
 
 def cmd_fake_anthropic(argv: list[str]) -> int:
@@ -1030,6 +1035,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the whole story on one machine: a run survives SIGKILL")
     s.add_argument("--model", help="use the real API with this model (needs ANTHROPIC_API_KEY)")
+    s.add_argument(
+        "--timeout", type=float, default=DEMO_TIMEOUT, metavar="SECONDS",
+        help=f"give up after this long, exit {EXIT_TIMEOUT}, saying what is left behind",
+    )
     s.set_defaults(func=cmd_demo)
 
     sub.add_parser(
