@@ -24,6 +24,8 @@ import pytest
 from conftest import run_cli
 from workerkit import free_port
 
+from agentrun.demo import SUMMARY_WIDTH
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.yaml"
 POOL_LINE = re.compile(r"pool (demo-[0-9a-f]+), production schema (demo_production_[0-9a-f]+)")
 
@@ -89,6 +91,17 @@ def _schemas(url: str) -> list[str]:
 
 
 def _passed(out: str) -> None:
+    lines = out.splitlines()
+    top = next(i for i, ln in enumerate(lines) if ln.startswith("timeline ("))
+    header = lines[top + 1]
+    rows = [ln for ln in lines[top + 2 : lines.index("", top)] if not ln.strip().startswith("---")]
+    assert len(rows) == 23, rows
+    at = header.index("SUMMARY")
+    for row in rows:  # a long summary is cut to the column's width, and says so
+        summary = row[at:]
+        assert len(summary) <= SUMMARY_WIDTH, row
+        assert len(summary) < SUMMARY_WIDTH or summary.endswith("…"), row
+    assert "True" not in out and "False" not in out, out
     assert "each production write happened exactly once: yes" in out, out
     assert "run succeeded: 12 model turns, 23 steps (contiguous: yes)" in out, out
     assert "written by worker-1, worker-2" in out, out
