@@ -25,7 +25,7 @@ import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
 import psycopg
 
@@ -53,6 +53,7 @@ from agentrun.config import (
     DRAIN_GRACE_ENV,
     env_float,
     env_int,
+    login_refused,
     redact_message,
     redact_url,
 )
@@ -814,7 +815,15 @@ def cmd_fake_anthropic(argv: list[str]) -> int:
 # -- wiring --------------------------------------------------------------------------------------
 
 
-class _SubParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line (argparse's message, which lists the valid values of
+    a choice, and where the help is), exit 2: not the usage block and then the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")
+
+
+class _SubParser(_Parser):
     """A command's parser: its help says every option's default and valid values."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -825,7 +834,7 @@ AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="agentrun",
         description="Durable execution for long-running LLM agents. The database is "
         "AGENTRUN_DATABASE_URL, or an embedded PostgreSQL when it is unset.",
@@ -1238,6 +1247,20 @@ def _env_list(name: str) -> list[str]:
     return [x for x in os.environ.get(f"AGENTRUN_{name}", "").split(",") if x]
 
 
+#: The exit code when whoever reads stdout closes it first (``agentrun runs | head -1``): a
+#: process killed by SIGPIPE exits so (128 + 13) in a shell, as ``seq 100000 | head -1`` does.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _reader_went_away() -> int:
+    """Stdout's reader is gone: exit quietly (no traceback), as a Unix filter does. Stdout is
+    pointed at /dev/null first, or the interpreter's own flush at exit fails again, noisily."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fake-anthropic"]:
@@ -1254,13 +1277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
-        return asyncio.run(func(args))
+        code = asyncio.run(func(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then handled below
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except AgentrunError as exc:
         print(f"agentrun: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except psycopg.OperationalError as exc:
-        reason = redact_message(" ".join(str(exc).split()), os.environ.get(DATABASE_URL_ENV))
-        err = DatabaseUnavailable(f"database error: {reason}")
+        raw = " ".join(str(exc).split())
+        reason = redact_message(raw, os.environ.get(DATABASE_URL_ENV))
+        err: AgentrunError = DatabaseUnavailable(f"database error: {reason}")
+        if login_refused(raw):  # e.g. the password changed after the first connection
+            err = ConfigError(
+                f"database error: {reason}; check the user, password and database in "
+                f"{DATABASE_URL_ENV}"
+            )
         print(f"agentrun: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
