@@ -156,3 +156,75 @@ def test_an_unknown_user_or_database_is_a_configuration_error_exit_2(admin_url: 
     # An unreachable server stays what it was: exit 3.
     res = run_cli("runs", env={"AGENTRUN_DATABASE_URL": "postgresql://u:pw@127.0.0.1:1/x"})
     assert res.returncode == 3 and "cannot connect" in _one_line(res)
+
+
+# -- run ids: malformed (2) and unknown (1), the same in every command that takes one ------------
+
+#: Every command that takes a run id, with what follows the id.
+RUN_COMMANDS = [
+    ["get"], ["wait"], ["logs"], ["steps"], ["cancel"], ["approve", "X", "1"],
+    ["reject", "X", "1"], ["retry"], ["restart"],
+]
+
+
+def test_a_malformed_id_exits_2_an_unknown_one_1_in_every_command(database_url: str) -> None:
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    unknown = "3f1e2b7a-0000-4000-8000-000000000000"
+    for command in RUN_COMMANDS:
+        for rid, code, says in (
+            ("not-a-uuid", 2, "'not-a-uuid' is not a run id (a UUID, as printed by agentrun runs)"),
+            (unknown, 1, f"no run with id {unknown} (list runs with: agentrun runs)"),
+        ):
+            args = [command[0], rid, *command[2:]] if len(command) > 1 else [command[0], rid]
+            res = run_cli(*args, env=env)
+            assert res.returncode == code, (args, res.stderr)
+            assert _one_line(res) == f"agentrun: error: {says}", args
+
+
+# -- the embedded PostgreSQL's notice follows --log-format json ---------------------------------
+
+
+def test_the_embedded_database_notice_is_a_json_log_line_with_log_format_json(
+    tmp_path: Path,
+) -> None:
+    import json
+    import signal
+
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRUN_DATABASE_URL"}
+    env.update(AGENTRUN_DATA_DIR=str(data), ANTHROPIC_API_KEY="x")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "agentrun", "worker", "--log-format", "json",
+         "--health-port", "-1", "--control-port", "-1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert worker.stderr is not None
+        lines = []
+        while True:  # up to the worker's first line of its own: every line before it is JSON
+            line = worker.stderr.readline()
+            assert line, f"the worker exited: {''.join(lines)}"
+            lines.append(line)
+            if '"agentrun.worker"' in line:
+                break
+        records = [json.loads(ln) for ln in lines]
+        notices = [r for r in records if "using the embedded PostgreSQL" in r["msg"]]
+        assert len(notices) == 1 and notices[0]["logger"] == "agentrun.embedded", lines
+        assert str(data / "pgdata") in notices[0]["msg"]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        pidfile = data / "pgdata" / "postmaster.pid"
+        if pidfile.exists():  # the embedded server outlives the worker by design: stop it
+            pid = int(pidfile.read_text().split()[0])
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(600):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)

@@ -90,11 +90,16 @@ def ensure_embedded(quiet: bool = False) -> str:
                 pass  # another command created it at the same moment
     url = str(server.get_uri(DATABASE_NAME))
     if not quiet:
-        print(
-            f"agentrun: using the embedded PostgreSQL in {pgdata} "
-            "(set AGENTRUN_DATABASE_URL to use another server)",
-            file=sys.stderr,
+        notice = (
+            f"using the embedded PostgreSQL in {pgdata} "
+            "(set AGENTRUN_DATABASE_URL to use another server)"
         )
+        if logging.getLogger().handlers:
+            # A worker or operator has set up its logs (--log-format json among them): the
+            # notice is one of its log lines, not plain text in the middle of JSON.
+            log.info(notice)
+        else:
+            print(f"agentrun: {notice}", file=sys.stderr)
     return url
 
 
