@@ -228,3 +228,25 @@ def test_the_embedded_database_notice_is_a_json_log_line_with_log_format_json(
                 except ProcessLookupError:
                     break
                 time.sleep(0.05)
+
+
+# -- steps shows why a run failed -----------------------------------------------------------------
+
+
+async def test_steps_ends_with_a_failed_runs_error(database_url: str, store: Store) -> None:
+    agent = AgentSpec(model="claude-sonnet-4-5")
+    run, _ = await store.create_run("fails", agent, pool="steps-err")
+    claim = await store.claim("steps-err", "tester")
+    lease = next(lease for r, lease in claim.claimed if r.id == run.id)
+    await store.append_step(lease, 0, "model_turn", {"content": [], "stop_reason": "end_turn"})
+    error = "model call failed: 400 invalid_request_error: " + "x" * 400
+    await store.finish(lease, "failed", error=error)
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    res = await asyncio.to_thread(run_cli, "steps", str(run.id), env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"run {run.id}: failed, 1 steps, attempt 1"
+    assert lines[-1].startswith("error: model call failed: 400 invalid_request_error: xxx")
+    assert lines[-1].endswith("…") and len(lines[-1]) == len("error: ") + 300
+    res = await asyncio.to_thread(run_cli, "steps", str(run.id), "-o", "wide", env=env)
+    assert res.stdout.splitlines()[-1] == f"error: {error}"

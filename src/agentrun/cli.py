@@ -190,6 +190,10 @@ async def cmd_steps(args: argparse.Namespace) -> int:
     print(f"run {run.id}: {run.status}, {len(steps)} steps, attempt {run.attempt}")
     headers = ["SEQ", "KIND", "TIME", "WORKER", "EPOCH", *(["REQUEST"] if wide else []), "SUMMARY"]
     print(table(headers, rows))
+    if run.error and run.status != "succeeded":
+        # Why it ended is not in any step (the worker records it on the run): said last, under
+        # the steps that led to it; whole with -o wide.
+        print(f"error: {run.error if wide else short(run.error, 300)}")
     return 0
 
 
