@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,7 +125,8 @@ def password_server() -> Iterator[str]:
             raise AssertionError("pg_hba.conf change never took effect")
         yield f"postgresql://alice:Hunter2-wrong@/postgres?host={host}"
     finally:
-        server.cleanup()
+        server.cleanup()  # stops it and deletes pgdata; the directory around it is ours
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_wrong_password_is_a_configuration_error_exit_2_never_printed(
