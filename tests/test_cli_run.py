@@ -93,7 +93,7 @@ def test_demo_survives_a_sigkill_and_writes_production_exactly_once(database_url
     out = res.stdout
     assert "SIGKILL worker-1" in out and "during step 7" in out
     assert "each production write happened exactly once: yes" in out
-    assert "run succeeded: 12 model turns, 23 steps (contiguous: True)" in out
+    assert "run succeeded: 12 model turns, 23 steps (contiguous: yes)" in out
     ledger = [
         line for line in out.splitlines() if line.strip().startswith("seq ") and "rows" in line
     ]

