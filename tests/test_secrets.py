@@ -9,6 +9,14 @@ password's pieces are distinctive words that must appear nowhere in its output.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import pytest
 from conftest import run_cli
 
@@ -61,15 +69,32 @@ def test_a_connection_error_shows_no_part_of_the_password(url: str, code: int, s
     assert says in one_line_error(proc.stderr)
 
 
-def test_the_worker_says_the_same(tmp_path: object) -> None:
-    proc = run_cli(
-        "worker", "--health-port", "-1",
-        env={"AGENTRUN_DATABASE_URL": "host=127.0.0.1 port=1 password='pw-alpha pw-bravo'",
-             "ANTHROPIC_API_KEY": "test"},
-    )
-    assert_no_secret(proc.stdout + proc.stderr)
-    assert proc.returncode == 3
-    assert "cannot connect" in one_line_error(proc.stderr)
+def test_the_worker_says_the_same(tmp_path: Path) -> None:
+    """A worker waits for a database that does not answer (issue 19) and says why, redacted."""
+    err = tmp_path / "stderr"
+    env = {**os.environ, "ANTHROPIC_API_KEY": "test", "AGENTRUN_LOG_FORMAT": "text",
+           "AGENTRUN_DATABASE_URL": "host=127.0.0.1 port=1 password='pw-alpha pw-bravo'"}
+    with err.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentrun", "worker", "--health-port", "-1",
+             "--control-port", "-1"],
+            stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=tempfile.gettempdir(),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for the database" not in err.read_text():
+            assert proc.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = err.read_text()
+    assert_no_secret(out)
+    assert "cannot connect" in out
 
 
 def test_migrate_prints_the_url_without_its_password(empty_database_url: str) -> None:
