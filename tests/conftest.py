@@ -146,6 +146,42 @@ def run_cli(
 
 
 @pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts with :func:`start_cli`: killed and reaped when it ends."""
+    started: list[subprocess.Popen[str]] = []
+    try:
+        yield started
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def start_cli(
+    procs: list[subprocess.Popen[str]],
+    args: list[str],
+    env: dict[str, str],
+    out: Path | None,
+    *,
+    stderr_apart: bool = False,
+) -> subprocess.Popen[str]:
+    """``agentrun ARGS`` in the background (from a neutral directory); its output to ``out``, or
+    to pipes when None (stderr a pipe of its own with ``stderr_apart``, else merged)."""
+    with open(out or os.devnull, "w") as f:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "agentrun", *args],
+            env={**os.environ, **env},
+            stdout=f if out else subprocess.PIPE,
+            stderr=(f if out else subprocess.PIPE) if stderr_apart else subprocess.STDOUT,
+            text=True,
+            cwd=tempfile.gettempdir(),
+        )
+    procs.append(p)
+    return p
+
+
+@pytest.fixture
 def fake(tmp_path: Path) -> Iterator[FakeFactory]:
     servers: list[FakeAnthropicServer] = []
 

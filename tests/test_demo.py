@@ -8,12 +8,10 @@ it hang or fail its own exactly-once check, and two demos at once broke each oth
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_cli
 from workerkit import free_port
 
 from agentrun.demo import SUMMARY_WIDTH
@@ -30,32 +28,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.
 POOL_LINE = re.compile(r"pool (demo-[0-9a-f]+), production schema (demo_production_[0-9a-f]+)")
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    try:
-        yield started
-    finally:
-        for p in started:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-
-
 def _agentrun(
     procs: list[subprocess.Popen[str]], args: list[str], env: dict[str, str], out: Path | None
 ) -> subprocess.Popen[str]:
-    """``agentrun ARGS`` in the background; stdout and stderr to ``out`` (a pipe when None)."""
-    with open(out or os.devnull, "w") as f:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "agentrun", *args],
-            env={**os.environ, **env},
-            stdout=f if out else subprocess.PIPE,
-            stderr=f if out else subprocess.PIPE,
-            text=True,
-        )
-    procs.append(p)
-    return p
+    return start_cli(procs, args, env, out, stderr_apart=True)
 
 
 def _wait_exit(p: subprocess.Popen[str], within: float) -> tuple[str, str]:

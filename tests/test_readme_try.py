@@ -17,16 +17,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_cli
 from workerkit import free_port
 
 from agentrun.store import Run, Store
@@ -37,33 +35,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.
 SCRIPTED_ERROR = "unknown table 'customers'"
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    try:
-        yield started
-    finally:
-        for p in started:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-
-
 def _start(
-    procs: list[subprocess.Popen[str]], args: list[str], env: dict[str, str], log: Path | None
+    procs: list[subprocess.Popen[str]], args: list[str], env: dict[str, str], out: Path | None
 ) -> subprocess.Popen[str]:
-    """``agentrun ARGS``; its output to ``log``, or to a pipe when None."""
-    with open(log or os.devnull, "w") as out:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "agentrun", *args],
-            env={**os.environ, **env},
-            stdout=out if log else subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tempfile.gettempdir(),
-        )
-    procs.append(p)
-    return p
+    return start_cli(procs, args, env, out, stderr_apart=False)
 
 
 def _output(log: Path) -> str:
