@@ -361,6 +361,12 @@ def test_the_helm_test_pod_checks_the_database(defaults: list[Doc]) -> None:
     assert pod["spec"]["automountServiceAccountToken"] is False
 
 
+def test_the_operator_test_pod_can_be_turned_off_for_a_cluster_without_dns() -> None:
+    docs = template(*SECRETS, "--set", "tests.operator.enabled=false")
+    assert not [d for d in of_kind(docs, "Pod") if d["metadata"]["name"].endswith("-operator")]
+    named(docs, "Pod", f"{FULLNAME}-test-database")
+
+
 def test_the_helm_test_pod_checks_the_operator_readiness(rendered: list[Doc]) -> None:
     pod = named(rendered, "Pod", f"{FULLNAME}-test-operator")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"

@@ -21,6 +21,7 @@ import asyncio
 import os
 import socket
 import sys
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -329,6 +330,10 @@ def chart_values(model_port: str) -> dict[str, Any]:
     return {
         "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
         "database": {"existingSecret": "agentrun-db"},
+        # The node has no cluster DNS (shared/k8s/README.md), so the test pod that asks the
+        # operator's -health Service by name cannot resolve it; the operator's readiness is
+        # checked by the kubelet's probe and from the host instead (test_helm_test_...).
+        "tests": {"operator": {"enabled": False}},
         "anthropic": {"existingSecret": "anthropic",
                       "baseUrl": f"http://{NODE_IP}:{model_port}"},
         "workers": {
@@ -425,6 +430,19 @@ def test_a_fresh_install_starts_its_workers_without_a_restart(installed: Install
 def test_helm_test_passes_on_the_installed_release(installed: Installed) -> None:
     out = installed.node.helm("test", RELEASE, "-n", NAMESPACE, "--timeout", "3m")
     assert "Phase:          Succeeded" in out.stdout, out.stdout
+    # The operator is Ready by the kubelet's readinessProbe on its /readyz (API server and
+    # database reached), and its /readyz says so on the pod's bridge address.
+    (pod,) = installed.node.get("pods", "-n", NAMESPACE, "-l",
+                                "app.kubernetes.io/component=operator")["items"]
+    ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+    assert ready["Ready"] == "True", pod["status"]
+    probe = pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz", probe
+    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]
+                if p["name"] == probe["port"] or p["containerPort"] == probe["port"])
+    url = f"http://{pod['status']['podIP']}:{port}/readyz"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200, r.read()
 
 
 def test_a_worker_killed_with_sigkill_loses_nothing(installed: Installed) -> None:
