@@ -8,10 +8,13 @@ so tests are isolated and can run in any order.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -143,6 +146,23 @@ def run_cli(
         timeout=timeout,
         cwd=tempfile.gettempdir(),
     )
+
+
+def stop_embedded(data: Path) -> None:
+    """Stop the embedded PostgreSQL under ``data`` (an AGENTRUN_DATA_DIR) by the pid in its
+    postmaster.pid, and wait for it to go: it outlives the commands that started it by design."""
+    pidfile = data / "pgdata" / "postmaster.pid"
+    if not pidfile.exists():
+        return
+    pid = int(pidfile.read_text().split()[0])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    for _ in range(600):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 @pytest.fixture

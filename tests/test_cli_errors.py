@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import run_cli
+from conftest import run_cli, stop_embedded
 from psycopg import sql
 
 from agentrun.manifests import AgentSpec
@@ -220,16 +220,7 @@ def test_the_embedded_database_notice_is_a_json_log_line_with_log_format_json(
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
-        pidfile = data / "pgdata" / "postmaster.pid"
-        if pidfile.exists():  # the embedded server outlives the worker by design: stop it
-            pid = int(pidfile.read_text().split()[0])
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(600):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
+        stop_embedded(data)  # the embedded server outlives the worker by design
 
 
 # -- steps shows why a run failed -----------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import run_cli, start_cli
+from conftest import run_cli, start_cli, stop_embedded
 from workerkit import free_port
 
 from agentrun.store import Run, Store
@@ -188,21 +188,6 @@ def readme_commands(title: str) -> list[str]:
     return commands
 
 
-def _stop_embedded(data: Path) -> None:
-    pidfile = data / "pgdata" / "postmaster.pid"
-    if not pidfile.exists():
-        return
-    pid = int(pidfile.read_text().split()[0])
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    for _ in range(600):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-
-
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                     reason="needs root and unshare for a network namespace of its own")
 def test_try_it_by_hand_pasted_into_a_fresh_shell_works(tmp_path: Path) -> None:
@@ -234,7 +219,7 @@ def test_try_it_by_hand_pasted_into_a_fresh_shell_works(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):  # the shell's group: its & jobs too
             os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
-        _stop_embedded(home / ".local" / "share" / "agentrun")
+        stop_embedded(home / ".local" / "share" / "agentrun")
         shutil.rmtree(home, ignore_errors=True)
     assert shell.returncode == 0, out
     run_id = re.search(r"run ([0-9a-f-]{36}) succeeded", out)
