@@ -148,6 +148,19 @@ def run_cli(
     )
 
 
+def listeners(url: str, channel: str = "") -> int:
+    """Sessions of this test's database that are LISTENing (on ``channel``, or on any), by
+    pg_stat_activity's last statement: a test knows its followers are in place before the run
+    moves."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE %s",
+            (f"LISTEN %{channel}%",),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def stop_embedded(data: Path) -> None:
     """Stop the embedded PostgreSQL under ``data`` (an AGENTRUN_DATA_DIR) by the pid in its
     postmaster.pid, and wait for it to go: it outlives the commands that started it by design."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import listeners, run_cli
 from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
 
 from agentrun.store import K8sRef, Store
@@ -79,17 +79,6 @@ def clis(database_url: str) -> Iterator[Clis]:
         yield c
     finally:
         c.stop_all()
-
-
-def listeners(url: str) -> int:
-    """Sessions of this test's database that are LISTENing (pg_stat_activity: their last
-    statement), so a test knows its followers are in place before the run moves."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND query LIKE 'LISTEN %'"
-        ).fetchone()
-    return int(row[0]) if row else 0
 
 
 def submit(path: str, env: dict[str, str], *extra: str) -> str:

@@ -16,6 +16,7 @@ from uuid import UUID
 
 import psycopg
 import pytest
+from conftest import listeners
 from workerkit import AGENT, wait_for
 
 from agentrun.store import Lease, Store
@@ -93,15 +94,6 @@ async def until_true(check: Any, within: float, what: str) -> Any:
     return got
 
 
-def listening(url: str) -> int:
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND query LIKE 'LISTEN %%agentrun_run_steps%%'"
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 async def test_logs_follow_prints_a_step_when_its_notification_arrives(
     store: Store, database_url: str, follow: Any
 ) -> None:
@@ -112,7 +104,9 @@ async def test_logs_follow_prints_a_step_when_its_notification_arrives(
     # Registered as a follower and listening on the steps channel; the log is re-read only every
     # hour, so what prints the next steps is their notification.
     await until_true(lambda: followers(database_url, lease.run_id), 30, "a follower row")
-    await wait_for(lambda: listening(database_url) >= 1, 30, "LISTEN agentrun_run_steps")
+    await wait_for(
+        lambda: listeners(database_url, CHANNEL_RUN_STEPS) >= 1, 30, "LISTEN agentrun_run_steps"
+    )
     for seq in (1, 2, 3):
         await store.append_step(lease, seq, "note", {"n": seq})
         step = await f.line()
