@@ -103,8 +103,12 @@ class Condition(BaseModel):
 
 
 class TokenUsage(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
     input: int = 0
     output: int = 0
+    cache_read: int = Field(0, alias="cacheRead", description="Prompt-cache tokens read.")
+    cache_write: int = Field(0, alias="cacheWrite", description="Prompt-cache tokens written.")
 
 
 class AgentRunStatus(BaseModel):

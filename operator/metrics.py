@@ -10,12 +10,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from agentrun.errors import ConfigError
 from agentrun.store import PoolDepth
+from agentrun.worker.health import register_standard_collectors
 
 
 class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        register_standard_collectors(r)
         self.runs = Gauge(
             "agentrun_runs", "Runs by status and pool (recounted on a timer)",
             ["pool", "status"], registry=r,

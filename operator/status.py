@@ -221,7 +221,12 @@ def status_for(
         "worker": run.lease_owner if run.status == "running" else None,
         "model": run.model,
         "promptVersion": run.prompt_version,
-        "tokens": {"input": run.input_tokens, "output": run.output_tokens},
+        "tokens": {
+            "input": run.input_tokens,
+            "output": run.output_tokens,
+            "cacheRead": run.cache_read_tokens,
+            "cacheWrite": run.cache_write_tokens,
+        },
         "result": truncate(run.result, MAX_TEXT),
         "error": truncate(run.error, MAX_TEXT),
         "message": message(run),

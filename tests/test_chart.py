@@ -394,6 +394,13 @@ def test_workers_get_no_kubernetes_api_token(rendered: list[Doc]) -> None:
         assert sa["automountServiceAccountToken"] is False
 
 
+def test_workers_get_their_pod_name_for_the_log_lines(rendered: list[Doc]) -> None:
+    for d in workers(rendered):
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        pod = env_of(c)["POD_NAME"]  # agentrun.logs.POD_NAME_ENV
+        assert pod["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, pod
+
+
 def test_secrets_come_only_from_existing_secrets(rendered: list[Doc]) -> None:
     for where, spec in pod_specs(rendered):
         for c in spec["containers"]:
@@ -749,6 +756,71 @@ def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None
         "agentrun_tokens_total",
     ):
         assert needed in used, needed
+
+
+def metric_labels() -> dict[str, set[str]]:
+    """Each exported series name -> the label names the code gives it (plus le on buckets)."""
+    out: dict[str, set[str]] = {}
+    for registry in (WorkerMetrics().registry, OperatorMetrics().registry):
+        for name, collector in registry._names_to_collectors.items():  # no public accessor
+            labels = set(getattr(collector, "_labelnames", ()))
+            out[name] = labels | ({"le"} if name.endswith("_bucket") else set())
+    return out
+
+
+#: Labels Prometheus adds at scrape time (the ServiceMonitor's relabelling, see below).
+SCRAPE_LABELS = {"namespace", "pool", "pod", "job", "instance"}
+
+
+def test_the_dashboard_parses_and_groups_only_by_labels_its_metrics_have(
+    example: list[Doc],
+) -> None:
+    (cm,) = [
+        d for d in of_kind(example, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    dashboard = json.loads(cm["data"]["agentrun.json"])
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    labels = metric_labels()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            names = metrics_in(expr)
+            have = set().union(*(labels[n] for n in names)) | SCRAPE_LABELS
+            used = {x.strip() for g in re.findall(r"\bby \(([^)]*)\)", expr) for x in g.split(",")}
+            used |= set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", expr))
+            assert used <= have, f"{panel['title']}: no label {used - have} on {names}"
+    # The prompt cache panel: the share of input tokens read from the cache, by the tokens
+    # counter's type label (cache_read, cache_write next to input and output).
+    (cache,) = [p for p in dashboard["panels"] if "cache" in p["title"].lower()]
+    ratio = cache["targets"][0]["expr"]
+    assert 'type=~"cache_read"' in ratio and 'type=~"input|cache_read|cache_write"' in ratio
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation dropped, - for space)."""
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#{1,6} (.+)$", markdown, re.M)
+    }
+
+
+def test_every_alert_has_a_runbook_url_to_a_section_of_the_alerts_page(example: list[Doc]) -> None:
+    base = yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]["prometheusRule"][
+        "runbookBaseUrl"
+    ]
+    assert base.endswith("/docs/alerts.md"), base
+    anchors = github_anchors((ROOT / "docs" / "alerts.md").read_text())
+    rule = of_kind(example, "PrometheusRule")[0]
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert len(rules) >= 8
+    for r in rules:
+        url = r["annotations"].get("runbook_url")
+        assert url == f"{base}#{r['alert'].lower()}", (r["alert"], url)
+        assert url.split("#", 1)[1] in anchors, f"docs/alerts.md has no section {r['alert']}"
+    # One section per alert, no stale ones.
+    assert anchors - {"alerts-what-each-one-means-and-what-to-do"} == {
+        r["alert"].lower() for r in rules
+    }
 
 
 def test_monitors_scrape_both_components_and_label_the_pool(

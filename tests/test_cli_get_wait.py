@@ -192,7 +192,7 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     run, _ = await store.create_run("drop the table", AGENT)
     (_, lease), = (await store.claim("default", "worker-a")).claimed
     await store.append_step(lease, 0, "model_turn", {"content": []}, input_tokens=120,
-                            output_tokens=45)
+                            output_tokens=45, cache_read_tokens=800, cache_write_tokens=30)
     await store.wait_for_approval(
         lease,
         "drop_table (step 0, call 0) may have run: worker-a died inside it",
@@ -208,11 +208,12 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
         f"step 0, drop_table (outcome unknown, attempt 2): agentrun approve {run.id} 0 "
         f"| agentrun reject {run.id} 0"
     )
-    assert fields["tokens"] == "120 in, 45 out"
+    assert fields["tokens"] == "120 in, 45 out, 800 cache read, 30 cache write"
     assert fields["step"] == "1 (max 50)" and fields["attempt"].startswith("0 ")
     assert "worker-a died inside it" in fields["waiting"]
     as_json = json.loads(run_cli("get", str(run.id), "-o", "json", env=env).stdout)
     assert as_json["pending_call"]["attempt"] == 2 and as_json["input_tokens"] == 120
+    assert as_json["cache_read_tokens"] == 800 and as_json["cache_write_tokens"] == 30
     as_yaml = yaml.safe_load(run_cli("get", str(run.id), "-o", "yaml", env=env).stdout)
     assert as_yaml == as_json
     # A running run shows who holds it.

@@ -60,6 +60,7 @@ def test_submit_resolves_the_agent_and_pins_it_on_the_run(
         "thinking": {"budgetTokens": 2048},
         "pool": "migrations",
         "requireApproval": False,
+        "promptCaching": True,
     }
     res = run_cli("steps", created["id"], env=env)
     assert res.returncode == 0 and "pending, 0 steps" in res.stdout

@@ -28,6 +28,7 @@ INLINE_VALUES: dict[str, Any] = {
     "thinking": {"budgetTokens": 1024},
     "pool": "gpu",
     "requireApproval": False,
+    "promptCaching": True,
 }
 
 

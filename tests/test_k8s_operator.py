@@ -177,12 +177,15 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     assert status(cluster, "follow")["worker"] == "worker-a"
     turn = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
     await store.append_step(
-        lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7, ttl=0.5
+        lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7, ttl=0.5,
+        cache_read_tokens=900, cache_write_tokens=60,
     )
     await store.append_step(lease_a, 1, "tool_result", {"content": []}, ttl=0.5)
     # Steps are not notified; the resync (1 s in tests) brings them.
     await eventually(lambda: status(cluster, "follow").get("step") == 2, 10, "step 2")
-    assert status(cluster, "follow")["tokens"] == {"input": 120, "output": 7}
+    assert status(cluster, "follow")["tokens"] == {
+        "input": 120, "output": 7, "cacheRead": 900, "cacheWrite": 60
+    }
     await asyncio.sleep(0.6)
     [(_, lease_b)] = (await store.claim("default", "worker-b", ttl=30)).claimed
     await eventually(lambda: status(cluster, "follow").get("worker") == "worker-b", 10, "worker b")
@@ -1159,3 +1162,25 @@ async def test_the_readiness_api_check_takes_namespace_patterns(
         assert forbidden.value.status == 403
     finally:
         api.close()
+
+
+async def test_operator_json_lines_name_the_object_and_metrics_have_the_process_series(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # kopf's per-object lines (its handlers' outcomes) keep the object they are about (issue 15).
+    op = operators.start(extra=["--log-format", "json"])
+    cluster.apply_agent(agent_manifest())
+    obj = cluster.apply_agentrun(agentrun_manifest("logged"))
+    await run_of(store, cluster, "logged")
+
+    def object_lines() -> list[dict[str, Any]]:
+        lines = [json.loads(ln) for ln in op.output().splitlines() if ln.startswith("{")]
+        return [x for x in lines if x["logger"] == "kopf.objects" and "object" in x]
+
+    lines = await eventually(object_lines, 30, "a kopf.objects line about the AgentRun")
+    assert {
+        "kind": "AgentRun", "namespace": cluster.namespace, "name": "logged",
+        "uid": obj["metadata"]["uid"],
+    } in [x["object"] for x in lines], lines[:3]
+    assert (op.metric("process_resident_memory_bytes") or 0) > 0
+    assert "process_cpu_seconds_total" in op.metrics()

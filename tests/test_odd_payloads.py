@@ -94,7 +94,9 @@ async def test_a_nul_and_a_lone_surrogate_from_model_and_tool_are_kept_exactly(
     srv = fake(odd_scenario())
     calls = tmp_path / "odd-calls.txt"
     workers.env.update(ANTHROPIC_BASE_URL=srv.base_url, ODD_TOOL_CALLS=str(calls))
-    agent = AGENT.model_copy(update={"tools": ["odd"], "thinking": None})
+    # Without cache breakpoints, so the messages sent compare equal to the step log as stored
+    # (tests/test_prompt_cache.py covers the bytes with breakpoints, across a resume).
+    agent = AGENT.model_copy(update={"tools": ["odd"], "thinking": None, "prompt_caching": False})
     run, _ = await store.create_run(TASK, agent)
     if resumed:
         # SIGKILLed once the tool result is committed: the next worker rebuilds the

@@ -278,6 +278,7 @@ async def test_pinned_fields_and_prompt_versions_cannot_change(
         "system": "You migrate databases carefully.",
         "tools": ["read_schema"],
         "requireApproval": False,
+        "promptCaching": True,
     }
     assert await store.pin_prompt_version(lease, PROMPT) == PROMPT.id
     # A later worker with other tool definitions keeps the first pin.

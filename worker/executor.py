@@ -44,7 +44,7 @@ from agentrun.tools import (
 )
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
-from agentrun.worker.model_call import RetryPolicy, build_request, call_model
+from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
 
 log = logging.getLogger("agentrun.worker.run")
 
@@ -146,6 +146,9 @@ def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
             f"(loaded: {known}); start the worker with --tools MODULE that defines them"
         )
     params: dict[str, Any] = {"max_tokens": int(spec.get("maxTokens", 8192))}
+    # Pinned with the prompt version, so a resumed run places the same breakpoints (or none).
+    if spec.get("promptCaching", True):
+        params["prompt_caching"] = True
     if spec.get("thinking"):
         params["thinking"] = {"budget_tokens": int(spec["thinking"]["budgetTokens"])}
     return PromptVersion(
@@ -194,7 +197,7 @@ class RunExecutor:
         payload: Any,
         request_id: str | None = None,
         started: float | None = None,
-        tokens: tuple[int, int] = (0, 0),
+        turn: ModelTurn | None = None,
     ) -> None:
         sent = time.monotonic()
         await self.store.append_step(
@@ -203,8 +206,10 @@ class RunExecutor:
             kind,
             payload,
             request_id=request_id,
-            input_tokens=tokens[0],
-            output_tokens=tokens[1],
+            input_tokens=turn.input_tokens if turn else 0,
+            output_tokens=turn.output_tokens if turn else 0,
+            cache_read_tokens=turn.cache_read_tokens if turn else 0,
+            cache_write_tokens=turn.cache_write_tokens if turn else 0,
         )
         self._committed(h, sent)
         self.metrics.steps.labels(kind).inc()
@@ -279,8 +284,13 @@ class RunExecutor:
                 h.in_model_call = False
                 h.progress.end()
             self.metrics.model_seconds.observe(time.perf_counter() - started)
-            self.metrics.tokens.labels("input").inc(turn.input_tokens)
-            self.metrics.tokens.labels("output").inc(turn.output_tokens)
+            self.metrics.count_tokens(
+                pv.model,
+                input=turn.input_tokens,
+                output=turn.output_tokens,
+                cache_read=turn.cache_read_tokens,
+                cache_write=turn.cache_write_tokens,
+            )
             await self._append(
                 h,
                 seq,
@@ -288,7 +298,7 @@ class RunExecutor:
                 turn.payload,
                 turn.request_id,
                 started,
-                tokens=(turn.input_tokens, turn.output_tokens),
+                turn=turn,
             )
             crash_point("after_model_turn_commit", seq)
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)

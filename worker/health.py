@@ -25,14 +25,35 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.registry import Collector
 
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
+
+#: Step durations, in seconds: a tool result commits in milliseconds, a model turn (a long
+#: thinking budget, a big answer) can stream for minutes, so the buckets reach 10 minutes.
+STEP_SECONDS_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+)
+
+#: prometheus_client's standard process_*, python_info and python_gc_* collectors. They read
+#: the process's own /proc and gc stats, so the default registry's instances are shared: a
+#: custom registry (one per worker, for tests running several in one process) registers them too.
+STANDARD_COLLECTORS: tuple[Collector, ...] = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
+
+
+def register_standard_collectors(registry: CollectorRegistry) -> None:
+    """process_cpu_seconds_total, process_resident_memory_bytes, ... on this registry."""
+    for collector in STANDARD_COLLECTORS:
+        registry.register(collector)
 
 
 class WorkerMetrics:
@@ -41,12 +62,14 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        register_standard_collectors(r)
         self.steps = Counter("agentrun_steps", "Steps committed", ["kind"], registry=r)
         self.step_seconds = Histogram(
             "agentrun_step_seconds",
             "Time from the start of a step to its commit",
             ["kind"],
             registry=r,
+            buckets=STEP_SECONDS_BUCKETS,
         )
         self.model_seconds = Histogram(
             "agentrun_model_call_seconds",
@@ -54,7 +77,10 @@ class WorkerMetrics:
             registry=r,
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
-        self.tokens = Counter("agentrun_tokens", "Model tokens", ["type"], registry=r)
+        # type: input, output, cache_read, cache_write (the API's four billed kinds).
+        self.tokens = Counter(
+            "agentrun_tokens", "Model tokens", ["type", "model"], registry=r
+        )
         self.claims = Counter("agentrun_claims", "Runs claimed", registry=r)
         self.dead_letters = Counter("agentrun_dead_letters", "Runs dead-lettered", registry=r)
         self.lease_losses = Counter(
@@ -90,6 +116,14 @@ class WorkerMetrics:
             "Unix time of the last claim poll, lease renewal or commit",
             registry=r,
         )
+
+    def count_tokens(
+        self, model: str, *, input: int, output: int, cache_read: int, cache_write: int
+    ) -> None:
+        """One model turn's usage, by kind and model (prices differ per model and kind)."""
+        for kind, n in (("input", input), ("output", output), ("cache_read", cache_read),
+                        ("cache_write", cache_write)):
+            self.tokens.labels(kind, model).inc(n)
 
 
 def _no_runs() -> list[float]:

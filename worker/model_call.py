@@ -68,6 +68,8 @@ class ModelTurn:
     stop_reason: str | None
     input_tokens: int
     output_tokens: int
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,22 +115,70 @@ def _canonical(value: Any) -> Any:
     return json.loads(canonical_json(value))
 
 
+EPHEMERAL = {"type": "ephemeral"}
+MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    """Content as a list of blocks: a string becomes one text block, in every turn alike, so a
+    message reads the same bytes whether or not it carries this turn's breakpoint."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [dict(b) for b in content]
+
+
+def place_breakpoints(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, system: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """``cache_control`` breakpoints, a function of the history and the pinned prompt alone (never
+    of worker state), so a resumed worker places them exactly where the first one did.
+
+    On the last tool definition and on the system prompt (the fixed prefix, shared by every run
+    of the agent); on the last block of the history (this turn writes its whole prefix); and on
+    the last block of the previous turn's last message, the prefix the previous turn wrote, so
+    this turn reads it even when the new turn added more blocks than the API looks back over."""
+    out = [{"role": m["role"], "content": _blocks(m["content"])} for m in messages]
+    new_tools = [dict(t) for t in tools] if tools else None
+    if new_tools:
+        new_tools[-1]["cache_control"] = dict(EPHEMERAL)
+    new_system = (
+        [{"type": "text", "text": system, "cache_control": dict(EPHEMERAL)}] if system else None
+    )
+    marks = [len(out) - 1]
+    # The previous request ended with the message before the newest assistant turn.
+    assistants = [i for i, m in enumerate(out) if m["role"] == "assistant"]
+    if assistants and assistants[-1] - 1 >= 0 and assistants[-1] - 1 != marks[0]:
+        marks.append(assistants[-1] - 1)
+    for i in marks[: MAX_BREAKPOINTS - 2]:
+        if out[i]["content"]:
+            out[i]["content"][-1]["cache_control"] = dict(EPHEMERAL)
+    return out, new_tools, new_system
+
+
 def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The request body, entirely from the run's pinned prompt version plus its history.
 
     Tools and messages go in canonical key order, the order the prompt version is stored in:
     the resolved tool definitions (insertion order), the history rebuilt from JSONB (its own key
     order) and the live turns (the SDK's order) would otherwise serialize to different bytes
-    before and after a resume, and the provider's prompt cache would miss."""
+    before and after a resume, and the provider's prompt cache would miss. With
+    ``prompt_caching`` in the pinned params, :func:`place_breakpoints` adds the cache_control
+    breakpoints."""
+    caching = bool(pv.params.get("prompt_caching"))
+    history = _canonical(messages)
+    tools = _canonical(pv.tools) if pv.tools else None
+    system: Any = pv.system or None
+    if caching:
+        history, tools, system = place_breakpoints(history, tools, system)
     req: dict[str, Any] = {
         "model": pv.model,
         "max_tokens": int(pv.params.get("max_tokens", 8192)),
-        "messages": _canonical(messages),
+        "messages": _canonical(history),
     }
-    if pv.system:
-        req["system"] = pv.system
-    if pv.tools:
-        req["tools"] = _canonical(pv.tools)
+    if system:
+        req["system"] = _canonical(system)
+    if tools:
+        req["tools"] = _canonical(tools)
     thinking = pv.params.get("thinking")
     if thinking:
         req["thinking"] = {"type": "enabled", "budget_tokens": int(thinking["budget_tokens"])}
@@ -294,4 +344,6 @@ async def _stream_turn(
         stop_reason=message.stop_reason,
         input_tokens=message.usage.input_tokens,
         output_tokens=message.usage.output_tokens,
+        cache_read_tokens=message.usage.cache_read_input_tokens or 0,
+        cache_write_tokens=message.usage.cache_creation_input_tokens or 0,
     )

@@ -60,7 +60,7 @@ from agentrun.config import (
 )
 from agentrun.embedded import database_url
 from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
-from agentrun.logs import setup_logging
+from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.store import (
@@ -136,7 +136,8 @@ async def cmd_runs(args: argparse.Namespace) -> int:
                 str(r.next_seq),
                 str(r.attempt),
                 r.model,
-                f"{r.input_tokens}/{r.output_tokens}",
+                f"{r.input_tokens}/{r.output_tokens}/{r.cache_read_tokens}/"
+                f"{r.cache_write_tokens}",
                 r.lease_owner or "-",
                 age(r.created_at),
                 short(r.wait_reason or r.error or r.result, 100),
@@ -144,7 +145,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
             for r in runs
         ]
         headers = ["ID", "NAMESPACE", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL",
-                   "TOKENS(IN/OUT)", "WORKER", "AGE", "MESSAGE"]
+                   "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "WORKER", "AGE", "MESSAGE"]
         print(table(headers, wide))
         return 0
     rows = [
@@ -776,6 +777,10 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         control_port=control_port,
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
+    )
+    # Every line from here on says which worker, pool and pod it came from (JSON fields).
+    set_process_fields(
+        worker=settings.worker_id, pool=settings.pool, pod=os.environ.get(POD_NAME_ENV)
     )
     # Before the tools, the database and the first claim: a bad setting or a taken port stops
     # nothing midway.

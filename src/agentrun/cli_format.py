@@ -144,7 +144,8 @@ def describe_run(run: Run, *, full: bool = False) -> str:
         ("step", f"{run.next_seq} (max {run.max_steps})"),
         ("attempt", f"{run.attempt} (in a row without a step: {run.stalled_attempts}, "
                     f"max {run.max_attempts})"),
-        ("tokens", f"{run.input_tokens} in, {run.output_tokens} out"),
+        ("tokens", f"{run.input_tokens} in, {run.output_tokens} out, "
+                   f"{run.cache_read_tokens} cache read, {run.cache_write_tokens} cache write"),
         ("worker", holder),
         ("waiting", text(run.wait_reason) if run.wait_reason else "-"),
         ("approval", pending_text(run) or "-"),

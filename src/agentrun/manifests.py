@@ -124,6 +124,14 @@ class AgentSpec(_Spec):
         "agentrun.dev/approve annotation) before it runs.",
     )
 
+    prompt_caching: bool = Field(
+        True,
+        alias="promptCaching",
+        description="Mark the tools, the system prompt and the history as cacheable "
+        "(cache_control breakpoints), so each turn reads the previous turn's prefix from the "
+        "provider's prompt cache, also after a resume.",
+    )
+
     @field_validator("thinking")
     @classmethod
     def _budget_below_max_tokens(

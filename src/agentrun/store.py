@@ -379,6 +379,9 @@ class Run:
     rollback_reason: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    # Prompt-cache tokens (migration 0010), apart from input_tokens as the API reports them.
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
     #: Claims in a row that committed no step (the poison-run guard dead-letters on this one,
     #: not on ``attempt``); ``claim_seq``: next_seq when the latest claim was made.
     stalled_attempts: int = 0
@@ -788,9 +791,12 @@ class Store:
         ttl: float | None = None,
         input_tokens: int = 0,
         output_tokens: int = 0,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> datetime:
         """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
-        A model turn passes its token usage, summed on the run for ``kubectl get``.
+        A model turn passes its token usage (input, output, cache read, cache write), summed on
+        the run for ``kubectl get``.
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
@@ -803,6 +809,8 @@ class Store:
             request_id=request_id,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
         )
         async with self.pool.connection() as conn:
             try:

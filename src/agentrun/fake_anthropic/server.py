@@ -38,7 +38,12 @@ from agentrun.fake_anthropic.scenario import (
     error_type_for,
     resolve_scenario,
 )
-from agentrun.fake_anthropic.signing import canonical_json, find_invalid_signature, sign_thinking
+from agentrun.fake_anthropic.signing import (
+    canonical_json,
+    find_invalid_signature,
+    sign_thinking,
+    strip_cache_control,
+)
 
 log = logging.getLogger("agentrun.fake_anthropic")
 
@@ -59,16 +64,20 @@ class ApiError(Exception):
 
 
 class ServerState:
-    """Everything mutable: the request log and the fault counters (per script and turn)."""
+    """Everything mutable: the request log, the fault counters (per script and turn) and the
+    prompt cache."""
 
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.log: list[dict[str, Any]] = []
         self.fault_counters: dict[tuple[str, int], int] = {}
 
+        self.cache = PromptCache()
+
     def reset(self) -> None:
         self.log.clear()
         self.fault_counters.clear()
+        self.cache.clear()
 
     def next_fault(self, script: Script, turn_index: int, turn: Turn) -> Fault | None:
         """The fault for this (script, turn)'s next request, or None once all are used up."""
@@ -117,6 +126,10 @@ def _validate_body(body: Any) -> dict[str, Any]:
     return body
 
 
+def _system_text(system: Any) -> Any:
+    return _text_of(system) if isinstance(system, list) else system
+
+
 def _tool_names(tools: Any) -> list[str]:
     if not isinstance(tools, list):
         return []
@@ -134,11 +147,95 @@ def tool_use_id(script_name: str, turn_index: int, block_index: int) -> str:
     return "toolu_" + hashlib.sha256(seed).hexdigest()[:24]
 
 
+# --- prompt caching ---------------------------------------------------------------------------
+
+# The API checks for a cache hit at block boundaries up to this many blocks before a breakpoint.
+CACHE_LOOKBACK_BLOCKS = 20
+
+
+def prompt_blocks(body: dict[str, Any]) -> tuple[list[Any], list[int]]:
+    """The prompt as the API's cache sees it: tools, then system, then every message block, in
+    order (a string is one text block, as the API tokenizes it), without their cache_control;
+    and the positions (prefix lengths) that end at a ``cache_control`` breakpoint."""
+    items: list[Any] = []
+    marks: list[int] = []
+
+    def add(item: Any, block: Any) -> None:
+        items.append(strip_cache_control(item))
+        if isinstance(block, dict) and block.get("cache_control"):
+            marks.append(len(items))
+
+    tools = body.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        add({"tool": tool}, tool)
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        add({"system": {"type": "text", "text": system}}, None)
+    elif isinstance(system, list):
+        for block in system:
+            add({"system": block}, block)
+    for i, message in enumerate(body["messages"]):
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for block in blocks if isinstance(blocks, list) else []:
+            add({"message": i, "role": message.get("role"), "block": block}, block)
+    return items, marks
+
+
+class PromptCache:
+    """The API's prompt cache, per server: a breakpoint writes the prefix up to it; a request
+    reads the longest written prefix that it starts with, checked at every block boundary up to
+    CACHE_LOOKBACK_BLOCKS before each of its breakpoints. Keys are the model plus the canonical
+    JSON of the prefix (key order does not matter, every value does). Entries never expire
+    (the API's live five minutes, refreshed on each read) and there is no minimum length."""
+
+    def __init__(self) -> None:
+        self._written: set[str] = set()
+
+    def clear(self) -> None:
+        self._written.clear()
+
+    @staticmethod
+    def _key(model: Any, items: list[Any]) -> str:
+        return hashlib.sha256(canonical_json([model, items]).encode("utf-8", "surrogatepass")
+                              ).hexdigest()
+
+    def account(self, body: dict[str, Any]) -> dict[str, int]:
+        """The usage fields of the prompt, and the breakpoints' prefixes written."""
+        items, marks = prompt_blocks(body)
+        model = body.get("model")
+        total = estimate_tokens(items)
+
+        def tokens(n: int) -> int:
+            return estimate_tokens(items[:n]) if n else 0
+
+        read = 0
+        for mark in marks:
+            for n in range(mark, max(0, mark - CACHE_LOOKBACK_BLOCKS) - 1, -1):
+                if n > read and self._key(model, items[:n]) in self._written:
+                    read = n
+                    break
+        written = max(marks, default=0)
+        for mark in marks:
+            self._written.add(self._key(model, items[:mark]))
+        read_tokens = tokens(read)
+        write_tokens = max(0, tokens(written) - read_tokens) if written > read else 0
+        return {
+            "input_tokens": max(0, total - read_tokens - write_tokens),
+            "cache_creation_input_tokens": write_tokens,
+            "cache_read_input_tokens": read_tokens,
+        }
+
+
 # --- answers ---------------------------------------------------------------------------------
 
 
 def build_message(
-    scenario: Scenario, script: Script, turn_index: int, body: dict[str, Any]
+    scenario: Scenario,
+    script: Script,
+    turn_index: int,
+    body: dict[str, Any],
+    prompt_usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The Message the non-streaming call returns; streaming replays it as events."""
     turn = script.turns[turn_index]
@@ -165,7 +262,12 @@ def build_message(
                     "input": block.input,
                 }
             )
-    prompt = {k: body.get(k) for k in ("system", "tools", "messages")}
+    if prompt_usage is None:  # no cache: the whole prompt is input
+        prompt_usage = {
+            "input_tokens": estimate_tokens(prompt_blocks(body)[0]),
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
     return {
         "id": "msg_fake_" + secrets.token_hex(12),
         "type": "message",
@@ -176,10 +278,10 @@ def build_message(
         "stop_sequence": None,
         "stop_details": None,
         "usage": {
-            "input_tokens": estimate_tokens(prompt),
+            "input_tokens": prompt_usage["input_tokens"],
             "output_tokens": estimate_tokens(content),
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": prompt_usage["cache_creation_input_tokens"],
+            "cache_read_input_tokens": prompt_usage["cache_read_input_tokens"],
         },
     }
 
@@ -317,7 +419,8 @@ class _Handlers:
             body = _validate_body(raw)
             entry.update(
                 model=body["model"],
-                system=body.get("system"),
+                # The text, also of a list of blocks (one with cache_control, say).
+                system=_system_text(body.get("system")),
                 tools=_tool_names(body.get("tools")),
                 n_messages=len(body["messages"]),
                 stream=bool(body.get("stream")),
@@ -344,7 +447,11 @@ class _Handlers:
                         f"fake-anthropic: script {script.name!r} turn {turn_index} has a "
                         f"`stream: {fault.stream}` fault, which needs a streaming request",
                     )
-            message = build_message(scenario, script, turn_index, body)
+            # Accounted once the request is answered (a fault above writes nothing), as the API
+            # writes the cache for a request it processes.
+            usage = self.state.cache.account(body)
+            message = build_message(scenario, script, turn_index, body, usage)
+            entry["usage"] = dict(message["usage"])
         except ApiError as err:
             entry.update(status=err.status, error=err.message, completed=True)
             log.info("%s %s -> %d %s", request.method, request.path, err.status, err.error_type)
@@ -374,9 +481,11 @@ class _Handlers:
             return _error_response(ApiError(400, "request body is not valid JSON"), request_id)
         if not isinstance(body, dict):
             return _error_response(ApiError(400, "request body must be a JSON object"), request_id)
-        prompt = {k: body.get(k) for k in ("system", "tools", "messages")}
+        if not isinstance(body.get("messages"), list):
+            return _error_response(ApiError(400, "messages: Field required"), request_id)
         return web.json_response(
-            {"input_tokens": estimate_tokens(prompt)}, headers={"request-id": request_id}
+            {"input_tokens": estimate_tokens(prompt_blocks(body)[0])},
+            headers={"request-id": request_id},
         )
 
     async def requests_log(self, request: web.Request) -> web.Response:

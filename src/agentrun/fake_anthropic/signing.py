@@ -28,6 +28,14 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def strip_cache_control(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: strip_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [strip_cache_control(v) for v in value]
+    return value
+
+
 def sign_thinking(
     secret: str,
     *,
@@ -37,15 +45,17 @@ def sign_thinking(
     messages_before: list[Any],
     thinking: str,
 ) -> str:
-    """HMAC-SHA256 over the canonical binding, base64-encoded like the API's opaque signatures."""
+    """HMAC-SHA256 over the canonical binding, base64-encoded like the API's opaque signatures.
+    ``cache_control`` is left out: it is an instruction to the cache, not conversation, and a
+    client moves its history breakpoint every turn."""
     payload = canonical_json(
-        {
+        strip_cache_control({
             "model": model,
             "system": system,
             "tools": tools,
             "messages_before": messages_before,
             "thinking_text": thinking,
-        }
+        })
     )
     # surrogatepass: a lone surrogate (a tool's output, sent as a JSON \ud800 escape) is still
     # bound by the signature instead of making the server answer 500.

@@ -94,7 +94,9 @@ WITH fence AS (
        SET next_seq      = greatest(next_seq, %(seq)s + 1),
            lease_until   = now() + make_interval(secs => %(ttl)s),
            input_tokens  = input_tokens + %(input_tokens)s,
-           output_tokens = output_tokens + %(output_tokens)s
+           output_tokens = output_tokens + %(output_tokens)s,
+           cache_read_tokens  = cache_read_tokens + %(cache_read_tokens)s,
+           cache_write_tokens = cache_write_tokens + %(cache_write_tokens)s
      WHERE id = %(run_id)s
        AND lease_owner = %(worker)s
        AND lease_epoch = %(epoch)s
