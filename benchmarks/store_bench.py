@@ -100,6 +100,11 @@ SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(wo
   FROM fence
 RETURNING seq, created_at
 """
+#: The append's usage parameters for a step that used no tokens (a tool result's).
+NO_USAGE = {
+    "input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0, "cache_write_tokens": 0,
+    "cost_usd": 0.0,
+}
 FOLLOWER_VARIANTS = ("before", "no follower", "1 of 16 followed", "16 of 16 followed")
 
 
@@ -173,8 +178,7 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
                             "kind": "model_turn",
                             "payload": Jsonb(PAYLOAD),
                             "request_id": "req",
-                            "input_tokens": 0,
-                            "output_tokens": 0,
+                            **NO_USAGE,
                         },
                     )
                     assert await cur.fetchone() is not None
@@ -340,7 +344,7 @@ async def follower_bench(url: str, steps: int = 2000, repeat: int = 3) -> dict[s
                             {"run_id": lease.run_id, "worker": lease.worker,
                              "epoch": lease.epoch, "ttl": 3600, "seq": seq,
                              "kind": "model_turn", "payload": Jsonb(PAYLOAD),
-                             "request_id": "req", "input_tokens": 0, "output_tokens": 0},
+                             "request_id": "req", **NO_USAGE},
                         )
                         assert await cur.fetchone() is not None
 

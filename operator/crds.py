@@ -138,6 +138,12 @@ class AgentRunStatus(BaseModel):
     model: str | None = _text(STATUS_LINE, "The pinned model.")
     prompt_version: str | None = _text(STATUS_LINE, alias="promptVersion")
     tokens: TokenUsage | None = None
+    cost_usd: float | None = Field(
+        None,
+        alias="costUSD",
+        description="Estimated US dollars spent, each model turn priced by the worker that ran "
+        "it.",
+    )
     result: str | None = _text(STATUS_TEXT, "The final answer, truncated.")
     error: str | None = _text(STATUS_TEXT)
     message: str | None = _text(STATUS_LINE, "One line for kubectl get.")
@@ -190,6 +196,13 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                     merged["properties"][key] = {k: v for k, v in prop.items() if k != "default"}
             return {**merged, **{k: v for k, v in walk(rest).items() if k != "default"}}
         out = {k: walk(v) for k, v in node.items() if k not in _DROP}
+        # JSON Schema's numeric bound (gt=0 -> exclusiveMinimum: 0) is OpenAPI 3.0's boolean
+        # beside minimum in Kubernetes' schemas; the API server refuses a number there.
+        for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            if isinstance(out.get(exclusive), int | float) and not isinstance(
+                out[exclusive], bool
+            ):
+                out[bound], out[exclusive] = out[exclusive], True
         if node.get("default") is None:
             out.pop("default", None)
         if out.get("type") == "object" and "properties" not in out:
@@ -266,6 +279,7 @@ def agentrun_crd() -> dict[str, Any]:
         ("Age", "date", ".metadata.creationTimestamp", 0),
         ("Message", "string", ".status.message", 0),
         ("Worker", "string", ".status.worker", 1),
+        ("Cost", "number", ".status.costUSD", 1),
     ]
     return _crd("AgentRun", "agentruns", ["ar"], _object_schema(spec, status), columns, True)
 

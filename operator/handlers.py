@@ -219,6 +219,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                 agent = AgentSpec.model_validate(found[0])
             else:
                 agent = run_spec.agent
+            agent = run_spec.resolved_agent(agent)
         except ValidationError as exc:
             why = _validation_message(exc)
             refuse(Reason.INVALID_SPEC, "invalid spec", why)

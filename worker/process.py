@@ -51,6 +51,7 @@ from agentrun.errors import ConfigError, DatabaseUnavailable, LeaseLost, RunCanc
 from agentrun.logs import current_run_id
 from agentrun.manifests import pool_problem
 from agentrun.migrations import latest_version, schema_version
+from agentrun.pricing import BUILT_IN, PriceTable
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store, check_connect
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
@@ -138,6 +139,7 @@ class WorkerSettings:
     control_port: int | None = None
     worker_id: str = field(default_factory=default_worker_id)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    prices: PriceTable = BUILT_IN  # --prices FILE (agentrun.pricing.load_prices)
 
 
 def check_settings(s: WorkerSettings) -> None:
@@ -210,6 +212,7 @@ class Worker:
             settings.retry,
             is_draining=lambda: self.draining,
             tool_timeout=settings.tool_timeout,
+            prices=settings.prices,
         )
         self.active: dict[UUID, RunHandle] = {}
         self.draining = False

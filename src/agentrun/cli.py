@@ -63,6 +63,7 @@ from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUn
 from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import latest_version, migrate, schema_version
+from agentrun.pricing import load_prices
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_STEPS,
@@ -138,6 +139,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
                 r.model,
                 f"{r.input_tokens}/{r.output_tokens}/{r.cache_read_tokens}/"
                 f"{r.cache_write_tokens}",
+                f"{r.cost_usd:.4f}",
                 r.lease_owner or "-",
                 age(r.created_at),
                 short(r.wait_reason or r.error or r.result, 100),
@@ -145,7 +147,8 @@ async def cmd_runs(args: argparse.Namespace) -> int:
             for r in runs
         ]
         headers = ["ID", "NAMESPACE", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL",
-                   "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "WORKER", "AGE", "MESSAGE"]
+                   "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "COST(USD)", "WORKER", "AGE",
+                   "MESSAGE"]
         print(table(headers, wide))
         return 0
     rows = [
@@ -777,6 +780,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         control_port=control_port,
         worker_id=args.worker_id or default_worker_id(),
         retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
+        prices=load_prices(args.prices),
     )
     # Every line from here on says which worker, pool and pod it came from (JSON fields).
     set_process_fields(
@@ -1116,6 +1120,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=env_float("AGENTRUN_TOOL_TIMEOUT", DEFAULT_TOOL_TIMEOUT),
         help="seconds a tool call may take, for tools that declare no @tool(timeout=...)",
+    )
+    s.add_argument(
+        "--prices", default=_env("PRICES", ""), metavar="FILE",
+        help="JSON price table for cost estimates and budgets (default: built in; "
+        "docs/worker.md#prices)",
     )
     s.add_argument(
         "--worker-id", default=_env("WORKER_ID", ""),

@@ -43,6 +43,17 @@ def yes_no(value: bool) -> str:
     return "yes" if value else "no"
 
 
+def budget_text(run: Run) -> str:
+    """The run's limits (pinned with its agent spec) and how much of each it used."""
+    budget = run.agent_spec.get("budget") or {}
+    parts = []
+    if budget.get("maxTokens") is not None:
+        parts.append(f"{run.total_tokens} of {budget['maxTokens']} tokens")
+    if budget.get("maxCostUSD") is not None:
+        parts.append(f"${run.cost_usd:.4f} of ${budget['maxCostUSD']:g}")
+    return ", ".join(parts) or "-"
+
+
 def run_to_json(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in vars(run).items():
@@ -146,6 +157,8 @@ def describe_run(run: Run, *, full: bool = False) -> str:
                     f"max {run.max_attempts})"),
         ("tokens", f"{run.input_tokens} in, {run.output_tokens} out, "
                    f"{run.cache_read_tokens} cache read, {run.cache_write_tokens} cache write"),
+        ("cost", f"${run.cost_usd:.4f} (estimated)"),
+        ("budget", budget_text(run)),
         ("worker", holder),
         ("waiting", text(run.wait_reason) if run.wait_reason else "-"),
         ("approval", pending_text(run) or "-"),

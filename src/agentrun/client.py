@@ -47,6 +47,7 @@ from agentrun.manifests import (
     DEFAULT_MAX_STEPS,
     AgentRunSpec,
     AgentSpec,
+    BudgetSpec,
     ResolvedRun,
     load_manifest_texts,
     load_manifests,
@@ -161,14 +162,17 @@ class AsyncClient:
         pool: str | None = None,
         max_steps: int = DEFAULT_MAX_STEPS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        budget: BudgetSpec | None = None,
         idempotency_key: str | None = None,
     ) -> Run:
         """Create a run of ``agent`` on ``task`` (checked as an AgentRun manifest's spec is).
-        ``pool`` overrides the agent's; with ``idempotency_key`` a second submit with the same
-        key returns the first run instead of creating another."""
+        ``pool`` overrides the agent's, ``budget``'s limits the agent's; with
+        ``idempotency_key`` a second submit with the same key returns the first run instead of
+        creating another."""
         try:
             spec = AgentRunSpec(
-                agent=agent, task=task, max_steps=max_steps, max_attempts=max_attempts, pool=pool
+                agent=agent, task=task, max_steps=max_steps, max_attempts=max_attempts, pool=pool,
+                budget=budget,
             )
         except ValidationError as exc:
             problems = "; ".join(
@@ -178,7 +182,7 @@ class AsyncClient:
         resolved = ResolvedRun(
             name="",
             task=spec.task,
-            agent=agent,
+            agent=spec.resolved_agent(agent),
             pool=spec.pool or agent.pool,
             max_steps=spec.max_steps,
             max_attempts=spec.max_attempts,
@@ -449,12 +453,13 @@ class Client:
         pool: str | None = None,
         max_steps: int = DEFAULT_MAX_STEPS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        budget: BudgetSpec | None = None,
         idempotency_key: str | None = None,
     ) -> Run:
         """See :meth:`AsyncClient.submit`."""
         return self._call(self._async.submit(
             task, agent, pool=pool, max_steps=max_steps, max_attempts=max_attempts,
-            idempotency_key=idempotency_key,
+            budget=budget, idempotency_key=idempotency_key,
         ))
 
     def submit_manifest(

@@ -89,6 +89,42 @@ class ThinkingSpec(_Spec):
     )
 
 
+#: The largest budget a manifest may state: far above any run, well inside int64 and a float.
+MAX_BUDGET_TOKENS = 10**12
+MAX_BUDGET_USD = 1e6
+
+
+class BudgetSpec(_Spec):
+    """What a run may spend in all. Checked by the worker before each model turn: a run that has
+    reached its budget, or whose next turn would pass it, fails there, never in a tool."""
+
+    max_tokens: int | None = Field(
+        None,
+        alias="maxTokens",
+        ge=1,
+        le=MAX_BUDGET_TOKENS,
+        description="Tokens the run may use in all: input, output, prompt-cache reads and "
+        "writes of every model turn. Unset: no limit.",
+    )
+    max_cost_usd: float | None = Field(
+        None,
+        alias="maxCostUSD",
+        gt=0,
+        le=MAX_BUDGET_USD,
+        description="Estimated US dollars the run may spend (the worker's price table). "
+        "Unset: no limit.",
+    )
+
+    def over(self, base: BudgetSpec | None) -> BudgetSpec:
+        """This budget with ``base``'s limits where this one sets none (a run over its Agent)."""
+        if base is None:
+            return self
+        return BudgetSpec(
+            max_tokens=self.max_tokens if self.max_tokens is not None else base.max_tokens,
+            max_cost_usd=self.max_cost_usd if self.max_cost_usd is not None else base.max_cost_usd,
+        )
+
+
 ToolName = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_NAME, pattern=TOOL_NAME_PATTERN)]
 
 
@@ -130,6 +166,12 @@ class AgentSpec(_Spec):
         description="Mark the tools, the system prompt and the history as cacheable "
         "(cache_control breakpoints), so each turn reads the previous turn's prefix from the "
         "provider's prompt cache, also after a resume.",
+    )
+
+    budget: BudgetSpec | None = Field(
+        None,
+        description="Default spending limits of every run of this agent (an AgentRun's "
+        "spec.budget overrides each limit it sets).",
     )
 
     @field_validator("thinking")
@@ -209,6 +251,10 @@ class AgentRunSpec(_Spec):
         pattern=POOL_PATTERN,
         description="Overrides the agent's pool (a DNS label).",
     )
+    budget: BudgetSpec | None = Field(
+        None,
+        description="Spending limits of this run; each limit set here overrides the Agent's.",
+    )
     ttl_seconds_after_finished: int | None = Field(
         None,
         alias="ttlSecondsAfterFinished",
@@ -218,6 +264,13 @@ class AgentRunSpec(_Spec):
         "operator does; the run's rows stay in the store until agentrun prune). "
         "Unset: kept.",
     )
+
+    def resolved_agent(self, agent: AgentSpec) -> AgentSpec:
+        """``agent`` with this run's budget over its own: the spec the run is pinned to, which
+        the worker reads its limits from."""
+        if self.budget is None:
+            return agent
+        return agent.model_copy(update={"budget": self.budget.over(agent.budget)})
 
     @field_validator("agent", mode="before")
     @classmethod
@@ -303,7 +356,7 @@ def resolve(run: AgentRunManifest, agents: dict[str, AgentSpec]) -> ResolvedRun:
     return ResolvedRun(
         name=run.metadata.name,
         task=spec.task,
-        agent=agent,
+        agent=spec.resolved_agent(agent),
         pool=spec.pool or agent.pool,
         max_steps=spec.max_steps,
         max_attempts=spec.max_attempts,

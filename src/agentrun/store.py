@@ -382,10 +382,19 @@ class Run:
     # Prompt-cache tokens (migration 0010), apart from input_tokens as the API reports them.
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    #: Estimated USD (migration 0011): each model turn priced by the worker that committed it.
+    cost_usd: float = 0.0
     #: Claims in a row that committed no step (the poison-run guard dead-letters on this one,
     #: not on ``attempt``); ``claim_seq``: next_seq when the latest claim was made.
     stalled_attempts: int = 0
     claim_seq: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Every token the run's committed turns used: what ``spec.budget.maxTokens`` counts."""
+        return self.input_tokens + self.output_tokens + self.cache_read_tokens + (
+            self.cache_write_tokens
+        )
 
     @property
     def rolling_back(self) -> bool:
@@ -793,10 +802,11 @@ class Store:
         output_tokens: int = 0,
         cache_read_tokens: int = 0,
         cache_write_tokens: int = 0,
+        cost_usd: float = 0.0,
     ) -> datetime:
         """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
-        A model turn passes its token usage (input, output, cache read, cache write), summed on
-        the run for ``kubectl get``.
+        A model turn passes its token usage (input, output, cache read, cache write) and its
+        estimated cost, summed on the run for ``kubectl get`` and the budget.
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
@@ -811,6 +821,7 @@ class Store:
             output_tokens=output_tokens,
             cache_read_tokens=cache_read_tokens,
             cache_write_tokens=cache_write_tokens,
+            cost_usd=cost_usd,
         )
         async with self.pool.connection() as conn:
             try:

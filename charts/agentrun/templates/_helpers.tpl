@@ -194,3 +194,14 @@ seccompProfile:
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The price table as the worker reads it (docs/worker.md#prices). default: the first model unless
+pricing.default names one.
+*/}}
+{{- define "agentrun.pricesJson" -}}
+{{- $p := .Values.pricing -}}
+{{- $out := dict "models" $p.models -}}
+{{- with $p.default }}{{- $_ := set $out "default" . -}}{{- end -}}
+{{- toJson $out -}}
+{{- end }}

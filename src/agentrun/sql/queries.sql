@@ -96,7 +96,8 @@ WITH fence AS (
            input_tokens  = input_tokens + %(input_tokens)s,
            output_tokens = output_tokens + %(output_tokens)s,
            cache_read_tokens  = cache_read_tokens + %(cache_read_tokens)s,
-           cache_write_tokens = cache_write_tokens + %(cache_write_tokens)s
+           cache_write_tokens = cache_write_tokens + %(cache_write_tokens)s,
+           cost_usd      = cost_usd + %(cost_usd)s
      WHERE id = %(run_id)s
        AND lease_owner = %(worker)s
        AND lease_epoch = %(epoch)s
