@@ -213,6 +213,7 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     )
     assert fields["tokens"] == "120 in, 45 out, 800 cache read, 30 cache write"
     assert fields["cost"] == "$0.0123 (estimated)"
+    assert fields["caching"] == "on"
     assert fields["budget"] == "995 of 5000 tokens, $0.0123 of $2"
     assert fields["step"] == "1 (max 50)" and fields["attempt"].startswith("0 ")
     assert "worker-a died inside it" in fields["waiting"]

@@ -491,6 +491,15 @@ class ClaimResult:
 
 
 @dataclass(frozen=True)
+class Quota:
+    """A namespace's cap on running runs (migration 0012) and how many it has now."""
+
+    namespace: str
+    max_running: int
+    running: int
+
+
+@dataclass(frozen=True)
 class PoolDepth:
     pool: str
     pending: int
@@ -760,14 +769,24 @@ class Store:
     async def claim(
         self, pool: str, worker: str, limit: int = 1, *, ttl: float | None = None
     ) -> ClaimResult:
-        """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``."""
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
-            await cur.execute(
-                queries["claim_runs"],
-                {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl},
-            )
-            rows = await cur.fetchall()
+        """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
+        the namespaces' quotas."""
+        params = {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl}
+        for attempt in range(3):
+            try:
+                async with self.pool.connection() as conn:
+                    cur = conn.cursor(row_factory=class_row(Run))
+                    await cur.execute(queries["claim_runs"], params)
+                    rows = await cur.fetchall()
+                break
+            except psycopg.errors.DeadlockDetected:
+                # A claim locks quota rows in namespace order; a statement that ends runs of
+                # several namespaces at once takes theirs in row order. PostgreSQL breaks such a
+                # cycle by failing one side: nothing was claimed, so claiming again is safe.
+                if attempt == 2:
+                    raise
+        else:  # pragma: no cover - the loop breaks or raises
+            raise AssertionError("unreachable")
         claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
         for r in dead:
@@ -775,6 +794,39 @@ class Store:
                 "run %s dead-lettered after %d claims", r.id, r.attempt, extra={"run_id": str(r.id)}
             )
         return ClaimResult(claimed=claimed, dead_lettered=dead)
+
+    # -- quotas ---------------------------------------------------------------------------------
+
+    async def set_quota(self, namespace: str, max_running: int) -> Quota:
+        """Cap ``namespace``'s running runs at ``max_running`` (0: none may start). A new row's
+        count is taken while agent_run is SHARE-locked (a few milliseconds in which no run
+        changes), so no run leaving 'running' is missed; an existing row keeps its exact count."""
+        if max_running < 0:
+            raise ConfigError(f"quota of namespace {namespace}: {max_running} is below 0")
+        params = {"namespace": namespace, "max_running": max_running}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["set_quota_limit"], params)
+            row = await cur.fetchone()
+            if row is not None:
+                return Quota(namespace, max_running, int(row[0]))
+            async with conn.transaction():
+                await conn.execute(queries["lock_runs_for_quota"])
+                cur = await conn.execute(queries["quota_count_running"], params)
+                counted = await cur.fetchone()
+                running = int(counted[0]) if counted else 0
+                await conn.execute(queries["upsert_quota"], {**params, "running": running})
+        return Quota(namespace, max_running, running)
+
+    async def delete_quota(self, namespace: str) -> bool:
+        """Lift ``namespace``'s quota; False if it had none."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["delete_quota"], {"namespace": namespace})
+            return await cur.fetchone() is not None
+
+    async def quotas(self) -> list[Quota]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["list_quotas"])
+            return [Quota(str(n), int(m), int(r)) for n, m, r in await cur.fetchall()]
 
     async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id

@@ -45,15 +45,50 @@ SELECT * FROM agent_run
 -- again. A step committed since the previous claim (claim_seq) starts the count over, so worker
 -- deaths between steps of a healthy run never add up to a dead letter. The epoch is bumped
 -- either way, so a worker still holding an old claim is fenced off.
+--
+-- Quotas (migration 0012): a pending run of a namespace at its quota is passed over, as this
+-- statement's snapshot sees the quota, so a noisy namespace's backlog cannot fill the batch and
+-- starve the runs behind it. The snapshot may be stale, so admission is decided again on the
+-- quota rows themselves: locked in namespace order (no deadlock between two claims), each grants
+-- at most its free slots and adds them to running in the same statement; an UPDATE re-reads a row
+-- another claim changed meanwhile, so two claims can never both take the last slot. The starting
+-- runs of a namespace past its grant stay pending. An expired running run is taken back whatever
+-- the quota: it was counted when it started.
 WITH candidate AS (
-    SELECT id, CASE WHEN next_seq > claim_seq THEN 0 ELSE stalled_attempts END AS stalled
-      FROM agent_run
+    SELECT id, k8s_namespace, status, max_attempts, created_at,
+           CASE WHEN next_seq > claim_seq THEN 0 ELSE stalled_attempts END AS stalled
+      FROM agent_run r
      WHERE pool = %(pool)s
        AND status IN ('pending', 'running')
        AND (lease_until IS NULL OR lease_until < now())
+       AND NOT (status = 'pending' AND EXISTS (
+               SELECT 1 FROM namespace_quota q
+                WHERE q.namespace = r.k8s_namespace AND q.running >= q.max_running))
      ORDER BY created_at, id
      LIMIT %(limit)s
      FOR UPDATE SKIP LOCKED
+), starting AS (
+    SELECT id, k8s_namespace,
+           row_number() OVER (PARTITION BY k8s_namespace ORDER BY created_at, id) AS rank
+      FROM candidate
+     WHERE status = 'pending' AND stalled < max_attempts AND k8s_namespace IS NOT NULL
+), wanted AS (
+    SELECT k8s_namespace AS namespace, count(*)::integer AS n FROM starting GROUP BY 1
+), locked AS (
+    SELECT q.namespace FROM namespace_quota q
+     WHERE q.namespace IN (SELECT namespace FROM wanted)
+     ORDER BY q.namespace
+       FOR UPDATE
+), granted AS (
+    UPDATE namespace_quota q
+       SET running    = q.running + least(w.n, greatest(q.max_running - q.running, 0)),
+           last_grant = least(w.n, greatest(q.max_running - q.running, 0))
+      FROM wanted w
+     WHERE q.namespace = w.namespace AND q.namespace IN (SELECT namespace FROM locked)
+    RETURNING q.namespace, q.last_grant
+), refused AS (
+    SELECT s.id FROM starting s JOIN granted g ON g.namespace = s.k8s_namespace
+     WHERE s.rank > g.last_grant
 )
 UPDATE agent_run r
    SET status      = CASE WHEN c.stalled >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
@@ -76,7 +111,35 @@ UPDATE agent_run r
        finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END
   FROM candidate c
  WHERE r.id = c.id
+   AND r.id NOT IN (SELECT id FROM refused)
 RETURNING r.*;
+
+-- quota_count_running --
+-- A namespace's running runs, for a new quota row (taken under agent_run's SHARE lock).
+SELECT count(*)::integer FROM agent_run WHERE k8s_namespace = %(namespace)s AND status = 'running';
+
+-- lock_runs_for_quota --
+-- Waits for every transaction writing agent_run and holds new ones off until this one commits,
+-- so a new quota row's count misses no run leaving 'running' (no trigger found its row yet).
+LOCK TABLE agent_run IN SHARE MODE;
+
+-- upsert_quota --
+INSERT INTO namespace_quota (namespace, max_running, running)
+VALUES (%(namespace)s, %(max_running)s, %(running)s)
+ON CONFLICT (namespace) DO UPDATE
+   SET max_running = EXCLUDED.max_running, running = EXCLUDED.running, updated_at = now();
+
+-- set_quota_limit --
+-- A new limit for an existing row; its count is kept (it is exact).
+UPDATE namespace_quota SET max_running = %(max_running)s, updated_at = now()
+ WHERE namespace = %(namespace)s
+RETURNING running;
+
+-- delete_quota --
+DELETE FROM namespace_quota WHERE namespace = %(namespace)s RETURNING namespace;
+
+-- list_quotas --
+SELECT namespace, max_running, running FROM namespace_quota ORDER BY namespace;
 
 -- append_step --
 -- The fenced append, in ONE statement (one round trip, autocommit): the UPDATE only matches while

@@ -1,0 +1,174 @@
+"""Per-namespace quotas on running runs (migration 0012), enforced by the claim on a real
+PostgreSQL: a namespace at its cap has its pending runs passed over while the other namespaces'
+runs are claimed, the count stays exact through every way a run leaves 'running', and eight
+concurrent claimers over 100 pending runs from three namespaces never take a slot twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections import Counter
+
+import psycopg
+from workerkit import AGENT
+
+from agentrun.store import Lease, ManifestName, Run, Store
+
+
+async def create(store: Store, namespace: str, n: int, max_attempts: int = 8) -> list[Run]:
+    runs = []
+    for _ in range(n):
+        run, _ = await store.create_run(
+            f"task {namespace}", AGENT, name=ManifestName(namespace, f"r{uuid.uuid4().hex[:8]}"),
+            max_attempts=max_attempts,
+        )
+        runs.append(run)
+    return runs
+
+
+async def until_lapsed(url: str, run: Run) -> None:
+    """Until the run's lease has run out, as the database's clock sees it."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        while True:
+            cur = await conn.execute(
+                "SELECT lease_until < now() FROM agent_run WHERE id = %s", (run.id,)
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                return
+            await asyncio.sleep(0.005)
+
+
+async def running_by_namespace(url: str) -> Counter[str]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT k8s_namespace, count(*) FROM agent_run WHERE status = 'running' GROUP BY 1"
+        )
+        return Counter({ns: n for ns, n in await cur.fetchall()})
+
+
+async def counters(store: Store) -> dict[str, int]:
+    return {q.namespace: q.running for q in await store.quotas()}
+
+
+async def test_a_namespace_at_its_quota_is_passed_over_and_the_others_are_claimed(
+    store: Store, database_url: str
+) -> None:
+    await store.set_quota("noisy", 2)
+    await create(store, "noisy", 6)  # older: they come first in the queue
+    quiet = await create(store, "quiet", 3)
+    got = (await store.claim("default", "w1", limit=10)).claimed
+    by_ns = Counter(r.k8s_namespace for r, _ in got)
+    assert by_ns == {"noisy": 2, "quiet": 3}
+    assert {r.id for r, _ in got} >= {r.id for r in quiet}
+    assert await counters(store) == {"noisy": 2}
+    # Full: another claim finds nothing of noisy, though four of its runs are the oldest pending.
+    assert (await store.claim("default", "w2", limit=10)).claimed == []
+    # One ends: one slot, one more run.
+    lease = next(ls for r, ls in got if r.k8s_namespace == "noisy")
+    await store.finish(lease, "succeeded", result="ok")
+    assert await counters(store) == {"noisy": 1}
+    again = (await store.claim("default", "w2", limit=10)).claimed
+    assert [r.k8s_namespace for r, _ in again] == ["noisy"]
+    assert await running_by_namespace(database_url) == {"noisy": 2, "quiet": 3}
+
+
+async def test_the_count_follows_every_way_out_of_running(store: Store) -> None:
+    await store.set_quota("ns", 10)
+    await create(store, "ns", 5, max_attempts=1)
+    held = dict((r.id, ls) for r, ls in (await store.claim("default", "w", limit=5)).claimed)
+    assert await counters(store) == {"ns": 5}
+    ids = list(held)
+    await store.finish(held[ids[0]], "failed", error="x")  # finished
+    await store.cancel(ids[1], "no")  # cancelled
+    assert await store.release(held[ids[2]])  # handed back (drain): pending again
+    await store.wait_for_approval(  # waiting for a human
+        held[ids[3]], "needs a human", {"seq": 0, "call_index": 0, "tool": "t", "stage": "before"}
+    )
+    assert await counters(store) == {"ns": 1}
+    # The released one is claimed again: counted again.
+    (back,) = (await store.claim("default", "w", limit=5)).claimed
+    assert back[0].id == ids[2]
+    assert await counters(store) == {"ns": 2}
+
+
+async def test_an_expired_run_is_taken_back_at_its_quota_and_a_dead_letter_frees_its_slot(
+    store: Store, database_url: str
+) -> None:
+    await store.set_quota("ns", 1)
+    (run,) = await create(store, "ns", 1, max_attempts=2)
+    await store.claim("default", "dead-worker", limit=1, ttl=0.01)
+    await create(store, "ns", 1)
+    await until_lapsed(database_url, run)
+    # At its quota, yet the expired run is taken over (it was counted when it started); the
+    # pending one waits.
+    (taken,) = (await store.claim("default", "w2", limit=5, ttl=0.01)).claimed
+    assert taken[0].id == run.id and await counters(store) == {"ns": 1}
+    await until_lapsed(database_url, run)
+    # Claimed twice without a step (maxAttempts 2): dead-lettered by the next claim, which
+    # frees the slot for the pending run in the same statement's aftermath.
+    result = await store.claim("default", "w3", limit=5)
+    assert [r.id for r in result.dead_lettered] == [run.id]
+    assert await counters(store) == {"ns": 0}
+    (later,) = (await store.claim("default", "w3", limit=5)).claimed
+    assert later[0].id != run.id and await counters(store) == {"ns": 1}
+
+
+async def test_a_new_quota_counts_the_runs_already_running_and_a_lifted_one_stops_counting(
+    store: Store,
+) -> None:
+    await create(store, "ns", 4)
+    await store.claim("default", "w", limit=3)
+    q = await store.set_quota("ns", 2)
+    assert (q.running, q.max_running) == (3, 2)  # over it: nothing more starts
+    assert (await store.claim("default", "w", limit=5)).claimed == []
+    assert (await store.set_quota("ns", 4)).running == 3  # a new limit keeps the exact count
+    assert len((await store.claim("default", "w", limit=5)).claimed) == 1
+    assert await store.delete_quota("ns") and await store.quotas() == []
+
+
+async def test_eight_claimers_over_100_pending_runs_from_three_namespaces_never_pass_a_quota(
+    database_url: str,
+) -> None:
+    quota = {"a": 3, "b": 5}
+    store = await Store.open(database_url, max_size=12)
+    try:
+        for ns, cap in quota.items():
+            await store.set_quota(ns, cap)
+        names = ["a", "b", "c"]
+        for i in range(100):  # interleaved, so every namespace has old runs
+            await create(store, names[i % 3], 1)
+        worst: Counter[str] = Counter()
+        finished = 0
+        rng = random.Random(7)
+
+        async def check() -> None:
+            now = await running_by_namespace(database_url)
+            for ns, n in now.items():
+                worst[ns] = max(worst[ns], n)
+            for ns, cap in quota.items():
+                assert now[ns] <= cap, (ns, now)
+
+        async def claimer(k: int) -> None:
+            nonlocal finished
+            held: list[Lease] = []
+            while finished < 100:
+                got = (await store.claim("default", f"w{k}", limit=rng.randint(1, 6))).claimed
+                held += [ls for _, ls in got]
+                await check()
+                # Finish some of what is held, at random, so slots open and close all the time.
+                cut = rng.randint(0, len(held))
+                done, held = held[:cut], held[cut:]
+                for lease in done:
+                    await store.finish(lease, "succeeded", result="ok")
+                    finished += 1
+
+        await asyncio.gather(*(claimer(k) for k in range(8)))
+        await check()
+        assert finished == 100
+        assert worst["a"] == 3 and worst["b"] == 5  # the caps were reached, never passed
+        assert await counters(store) == {"a": 0, "b": 0}  # exact after 100 ins and outs
+    finally:
+        await store.close()
