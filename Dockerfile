@@ -16,8 +16,9 @@ COPY src ./src
 COPY operator ./operator
 COPY worker ./worker
 # src/agentrun/operator and src/agentrun/worker are symlinks to the two folders above.
+# The otel extra (OpenTelemetry SDK and OTLP exporter): OTEL_* environment alone turns traces on.
 RUN /opt/agentrun/bin/pip install --upgrade pip \
- && /opt/agentrun/bin/pip install . \
+ && /opt/agentrun/bin/pip install ".[otel]" \
  && /opt/agentrun/bin/agentrun --version
 
 # -- final: the venv on a clean slim base, as a non-root user --------------------------------------

@@ -47,6 +47,7 @@ from agentrun.worker.budget import Spend, over_budget, turn_tokens
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
 from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
+from agentrun.worker.tracing import RunTracer
 
 log = logging.getLogger("agentrun.worker.run")
 
@@ -172,6 +173,7 @@ class RunExecutor:
     is_draining: Callable[[], bool]
     tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
     prices: PriceTable = BUILT_IN
+    tracing: RunTracer = field(default_factory=RunTracer)  # no provider: no spans
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
@@ -224,6 +226,7 @@ class RunExecutor:
     async def advance(self, h: RunHandle) -> str | None:
         """Run until the run ends (returns None) or the worker drains (returns "drain")."""
         run = h.run
+        client = self.tracing.client_for(self.client, h.run_id)  # its spans carry the run id
         pv = await self.pinned_prompt(h)
         steps = await self.store.steps(run.id)
         if [s.seq for s in steps] != list(range(len(steps))):
@@ -284,13 +287,13 @@ class RunExecutor:
             # bounded (retries and backoffs included) and never looks like a stall within it.
             h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
             try:
-                turn = await call_model(
-                    self.client,
+                turn = await self.tracing.model_turn(client, pv.model, turn_seq, call_model(
+                    client,
                     build_request(pv, messages),
                     policy=self.retry,
                     on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
                     on_retry=self._count_retry,
-                )
+                ))
             finally:
                 h.in_model_call = False
                 h.progress.end()
@@ -398,7 +401,10 @@ class RunExecutor:
         )
         effects = await self.store.effects(h.run.id, turn_seq) if recording else {}
         return [
-            await self.call_tool(h, turn_seq, i, b, effects.get(i)) for i, b in enumerate(calls)
+            await self.tracing.tool_call(
+                b, self.registry, turn_seq + 1, i, self.call_tool(h, turn_seq, i, b, effects.get(i))
+            )
+            for i, b in enumerate(calls)
         ]
 
     async def call_tool(

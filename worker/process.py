@@ -44,6 +44,7 @@ from uuid import UUID
 import anthropic
 import psycopg
 from aiohttp import web
+from opentelemetry.trace import TracerProvider
 from psycopg_pool import PoolTimeout
 
 from agentrun.config import DEFAULT_MODEL_DEADLINE
@@ -58,6 +59,7 @@ from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForA
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
+from agentrun.worker.tracing import RunTracer
 
 log = logging.getLogger("agentrun.worker")
 
@@ -73,6 +75,9 @@ SCHEMA_RECHECK_MAX = 5.0
 #: While it waits, the waiting line is said again this often, so that `kubectl logs --since=...`
 #: still shows why a pod is not ready.
 SCHEMA_WAIT_REMINDER = 600.0
+
+#: Ends of a hold that are no failure of the attempt: its trace's status stays unset.
+NOT_FAILURES = (RunCancelled, WaitForApproval)
 
 
 async def until_database(url: str) -> bool:
@@ -191,6 +196,8 @@ class Worker:
         client: anthropic.AsyncAnthropic,
         registry: ToolRegistry,
         settings: WorkerSettings,
+        *,
+        tracer_provider: TracerProvider | None = None,  # agentrun.worker.tracing.setup_tracing
     ) -> None:
         check_settings(settings)
         self.store = store
@@ -213,6 +220,8 @@ class Worker:
             is_draining=lambda: self.draining,
             tool_timeout=settings.tool_timeout,
             prices=settings.prices,
+            tracing=RunTracer(tracer_provider, pool=settings.pool, worker=settings.worker_id,
+                              not_failures=NOT_FAILURES),
         )
         self.active: dict[UUID, RunHandle] = {}
         self.draining = False
@@ -499,9 +508,16 @@ class Worker:
     async def _hold(self, h: RunHandle) -> None:
         """Own one run from claim to release: its executor, its heartbeat, its outcome."""
         current_run_id.set(h.run_id)
+        # The claim's trace, current in this task (and the heartbeat's) until the finally below.
+        attempt = self.executor.tracing.attempt(h)
         heartbeat = asyncio.create_task(self._heartbeat(h), name=f"heartbeat-{h.run.id}")
         try:
-            outcome = await self.executor.advance(h)
+            try:
+                outcome = await self.executor.advance(h)
+            except Exception as exc:
+                if not isinstance(exc, NOT_FAILURES):
+                    attempt.failed(exc)
+                raise
             if outcome == "drain":
                 await self._release(h)
         except asyncio.CancelledError:
@@ -541,6 +557,7 @@ class Worker:
             self.active.pop(h.run.id, None)
             self.metrics.active_runs.set(len(self.active))
             self._wake.set()
+            attempt.end(h.abort_reason)
 
     async def _aborted(self, h: RunHandle) -> None:
         if h.abort_reason == "drain":

@@ -736,7 +736,7 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
                 ) from None
 
 
-def make_client() -> anthropic.AsyncAnthropic:
+def make_client(*, traced: bool = False) -> anthropic.AsyncAnthropic:
     # 2.7 s to import: only the worker pays it, not runs/steps/cancel.
     from agentrun.worker.client import AsyncAnthropic
 
@@ -747,7 +747,11 @@ def make_client() -> anthropic.AsyncAnthropic:
             "agentrun fake-anthropic with any key to run offline"
         )
     # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
-    return AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
+    # Its own spans follow ours (worker/tracing.py): off unless OTEL_* turned tracing on, and then
+    # as ANTHROPIC_OPEN_TELEMETRY* say.
+    return AsyncAnthropic(
+        api_key=key, max_retries=0, timeout=600.0, open_telemetry=None if traced else False
+    )
 
 
 async def cmd_worker(args: argparse.Namespace) -> int:
@@ -761,6 +765,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         exit_past_lingering_threads,
         until_database,
     )
+    from agentrun.worker.tracing import setup_tracing, shutdown_tracing
 
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
@@ -792,7 +797,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
     check_ports([("--control-port", CONTROL_PORT_ENV, control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
-    client = make_client()
+    tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
+    client = make_client(traced=tracer_provider is not None)
     url = database_url()
     if _using_embedded():
         await check_connect(url)
@@ -804,13 +810,18 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
     store = await Store.open(url, max_size=args.concurrency + 3, lease_ttl=args.lease_ttl)
     try:
-        worker = Worker(store, client, default_registry, settings)
+        worker = Worker(store, client, default_registry, settings,
+                        tracer_provider=tracer_provider)
         worker.install_signal_handlers()
         await worker.serve()
     finally:
         await store.pool.close(timeout=5)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client.close(), 5)
+        # The last spans (the drain's releases) are exported before the process exits; bounded,
+        # so an unreachable collector cannot hold a drained worker past its grace period.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(shutdown_tracing, tracer_provider), 5)
     await exit_past_lingering_threads(0)
     return 0
 

@@ -8,6 +8,10 @@ A worker also sets :func:`set_process_fields` (worker id, pool, and the pod name
 through the downward API as ``POD_NAME``) so a collector can group lines by pod without parsing
 messages. kopf's per-object loggers attach the object's reference (``k8s_ref``); both formats keep
 it: JSON as an ``object`` field, text as a ``[namespace/name]`` prefix like kopf's own formatter.
+
+With tracing on (worker/tracing.py), a JSON line emitted while a span is current carries its
+``trace_id`` and ``span_id`` (lowercase hex, as OpenTelemetry writes them), so a log pipeline can
+jump from a line to its trace.
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ class RunIdFilter(logging.Filter):
         return True
 
 
+def span_ids() -> tuple[str, str] | None:
+    """The current span's trace and span id in hex, or None when no valid span is current.
+
+    A span can only be current once something imported OpenTelemetry (the worker does); a CLI
+    command that never did pays nothing here, not even the import.
+    """
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return trace.format_trace_id(ctx.trace_id), trace.format_span_id(ctx.span_id)
+
+
 def _object_ref(record: logging.LogRecord) -> dict[str, Any] | None:
     """The Kubernetes object a kopf per-object logger attached to this record, if any."""
     ref = getattr(record, "k8s_ref", None)
@@ -96,6 +116,10 @@ class JsonFormatter(logging.Formatter):
                 out[key] = getattr(record, key)
         if ref := _object_ref(record):
             out["object"] = ref
+        # Formatted in the emitting task (a StreamHandler formats as it is called), so the span
+        # current there is the one the line is about.
+        if ids := span_ids():
+            out["trace_id"], out["span_id"] = ids
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
