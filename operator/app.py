@@ -165,9 +165,34 @@ class OperatorApp:
                 await asyncio.sleep(delay)
         self.store = store
         self._ok()
+        # Before any handler may create a run: a run created first could start outside its
+        # namespace's quota.
+        await self._sync_quotas(store)
         self._connected.set()
         log.info("connected to %s", redact_url(s.database_url))
         return store
+
+    async def _sync_quotas(self, store: Store) -> None:
+        """Make the store's quota rows the tenancy file's (the claim enforces them). Without a
+        tenancy file the rows are left as they are (set with agentrun's Python API, say)."""
+        wanted = self.settings.tenancy.quotas
+        if wanted is None:
+            return
+        attempt = 0
+        while True:
+            try:
+                for namespace, most in sorted(wanted.items()):
+                    await store.set_quota(namespace, most)
+                for q in await store.quotas():
+                    if q.namespace not in wanted:
+                        await store.delete_quota(q.namespace)
+                break
+            except DB_ERRORS as exc:
+                self._failed(exc)
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+        if wanted:
+            log.info("quotas: %s", ", ".join(f"{ns} {n}" for ns, n in sorted(wanted.items())))
 
     async def _schema(self) -> None:
         """Migrate (advisory-locked: replicas wait their turn) or, told not to, check that

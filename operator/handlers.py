@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from agentrun.errors import ConfigError, DatabaseUnavailable
@@ -55,6 +57,39 @@ from agentrun.operator.status import (
 from agentrun.store import TERMINAL_STATUSES, K8sRef, Store
 
 log = logging.getLogger(__name__)
+
+async def _check_pool(
+    op: OperatorApp,
+    pool: str,
+    namespace: str,
+    current: dict[str, Any],
+    ref: dict[str, Any],
+    refuse: Callable[[Reason, str, str], None],
+) -> None:
+    """Refuse an AgentRun whose pool does not admit its namespace, before any run exists: a pool
+    is its workers' tools and credentials. Retried like an unknown Agent (a namespace labelled
+    later is admitted then), with one Event per object."""
+    tenancy = op.settings.tenancy
+    labels = None
+    if tenancy.needs_labels(pool, namespace):
+        try:
+            labels = await op.kube.namespace_labels(namespace)
+        except ApiException as exc:
+            raise kopf.TemporaryError(
+                f"namespace {namespace}: cannot read its labels ({exc.status} {exc.reason})",
+                delay=DB_RETRY_DELAY,
+            ) from None
+    why = tenancy.refusal(pool, namespace, labels)
+    if why is None:
+        return
+    if not _has_reason(current, CondType.ACCEPTED, Reason.POOL_NOT_ALLOWED):
+        await op.event(ref, Event("Warning", Reason.POOL_NOT_ALLOWED, why), run_id=None)
+    refuse(Reason.POOL_NOT_ALLOWED, f"pool {pool} does not admit namespace {namespace}", why)
+    raise kopf.TemporaryError(
+        f"pool {pool} does not admit namespace {namespace}",
+        delay=op.settings.agent_retry_delay,
+    )
+
 
 AGENTRUNS = (GROUP, VERSION, "agentruns")
 AGENTS = (GROUP, VERSION, "agents")
@@ -220,6 +255,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             else:
                 agent = run_spec.agent
             agent = run_spec.resolved_agent(agent)
+            await _check_pool(app(), run_spec.pool or agent.pool, namespace, current, ref, refuse)
         except ValidationError as exc:
             why = _validation_message(exc)
             refuse(Reason.INVALID_SPEC, "invalid spec", why)

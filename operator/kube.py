@@ -219,6 +219,11 @@ class KubeApi:
             "post_event", lambda: self.core.create_namespaced_event(meta["namespace"], body)
         )
 
+    async def namespace_labels(self, name: str) -> dict[str, str]:
+        """A namespace's labels (a pool's namespaceSelector; RBAC: get namespaces)."""
+        ns: Any = await self._call("get_namespace", lambda: self.core.read_namespace(name))
+        return dict(ns.metadata.labels or {})
+
     async def get_deployment(self, namespace: str, name: str) -> Deployment:
         d: Any = await self._call(
             "get_deployment", lambda: self.apps.read_namespaced_deployment(name, namespace)

@@ -41,7 +41,7 @@ from agentrun.operator.status import (
     status_for,
     transitions,
 )
-from agentrun.store import TERMINAL_STATUSES, Run, Store
+from agentrun.store import TERMINAL_STATUSES, Quota, Run, Store
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class StatusMirror:
         self.gone: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.db_up = True
+        #: namespace -> its quota (re-read with every flush that reads runs, and every resync).
+        self.quotas: dict[str, Quota] = {}
         self._dirty: set[UUID] = set()
         self._stale: dict[UUID, Run] = {}
         self._wake = asyncio.Event()
@@ -197,6 +199,8 @@ class StatusMirror:
         """Patch what changed: notified runs first, then what the resync found stale.
         Returns whether the database was read."""
         read = bool(self._dirty)
+        if read:
+            await self._read_quotas(store)
         while self._dirty:
             ids, self._dirty = self._dirty, set()
             for run in await store.k8s_runs(sorted(ids)):
@@ -210,6 +214,7 @@ class StatusMirror:
 
     async def resync(self, store: Store) -> None:
         """Read every live run of an AgentRun object; queue the ones whose status is behind."""
+        await self._read_quotas(store)
         runs = await store.k8s_live_runs()
         seen: set[UUID] = set()
         for run in runs:
@@ -219,7 +224,8 @@ class StatusMirror:
             t = self.objects.get(run.k8s_uid or "")
             previous = t.status if t else None
             generation = t.generation if t else None
-            fresh = status_for(run, db_up=True, previous=previous, generation=generation)
+            fresh = status_for(run, db_up=True, previous=previous, generation=generation,
+                               quota=self._quota(run))
             if not same_status(previous, fresh):
                 self._stale[run.id] = run
         # A live object whose run is no longer live finished while a notification was lost.
@@ -229,6 +235,14 @@ class StatusMirror:
                 self._dirty.add(rid)
         if self._dirty or self._stale:
             self._wake.set()
+
+    async def _read_quotas(self, store: Store) -> None:
+        """The namespaces' quotas (a handful of rows): a pending run of a full namespace says
+        so in its status. Not notified: a change shows at the next flush or resync."""
+        self.quotas = {q.namespace: q for q in await store.quotas()}
+
+    def _quota(self, run: Run) -> Quota | None:
+        return self.quotas.get(run.k8s_namespace or "")
 
     async def apply(self, run: Run) -> None:
         uid = run.k8s_uid or ""
@@ -244,7 +258,8 @@ class StatusMirror:
             self._unseen.pop(uid, None)
             t = Tracked(run.k8s_namespace, run.k8s_name, uid, known=False)
             self.objects[uid] = t
-        new = status_for(run, db_up=self.db_up, previous=t.status, generation=t.generation)
+        new = status_for(run, db_up=self.db_up, previous=t.status, generation=t.generation,
+                         quota=self._quota(run))
         events = transitions(t.snapshot, run) if t.known else []
         if not same_status(t.status, new):
             if not await self._patch(t, new, run):

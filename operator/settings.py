@@ -20,12 +20,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentrun.config import env_float, env_int
 from agentrun.errors import ConfigError
+from agentrun.operator.configfile import read_model
 from agentrun.operator.scaling import PoolScaling
+from agentrun.operator.tenancy import Tenancy, load_tenancy
 
 
 class PoolConfig(BaseModel):
@@ -47,18 +48,7 @@ class PoolsFile(BaseModel):
 
 def load_pools(path: str | Path) -> list[PoolScaling]:
     """Read the pools file; every error names the file and the field."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        parsed = PoolsFile.model_validate(raw)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the pools file: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    except ValidationError as exc:
-        where = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"{path}: {where}") from None
+    parsed = read_model(path, PoolsFile, "the pools file")
     pools = []
     seen: set[str] = set()
     for p in parsed.pools:
@@ -113,10 +103,14 @@ class OperatorSettings:
     #: Where the worker pods run (the chart: its release namespace); lets the operator say why
     #: a dead-lettered run's workers died (OOMKilled). None: not looked up.
     worker_namespace: str | None = None
+    #: Which namespaces may use which pools, and the quotas (AGENTRUN_TENANCY_FILE,
+    #: agentrun.operator.tenancy). Default: every pool admits every namespace, no quotas managed.
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
     @classmethod
     def from_env(cls, database_url: str) -> OperatorSettings:
         pools_file = os.environ.get("AGENTRUN_POOLS_FILE", "")
+        tenancy_file = os.environ.get("AGENTRUN_TENANCY_FILE", "")
         migrate = os.environ.get("AGENTRUN_MIGRATE", "true").strip().lower()
         if migrate not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError(f"AGENTRUN_MIGRATE must be true or false, not {migrate!r}")
@@ -139,6 +133,7 @@ class OperatorSettings:
             health_interval=env_float("AGENTRUN_HEALTH_INTERVAL", 5.0),
             agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
             worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
+            tenancy=load_tenancy(tenancy_file) if tenancy_file else Tenancy(),
         )
 
 

@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 from agentrun.operator.crds import AgentRunStatus
-from agentrun.store import Run
+from agentrun.store import Quota, Run
 
 
 class CondType(StrEnum):
@@ -36,6 +36,10 @@ class Reason(StrEnum):
 
     RUN_CREATED = "RunCreated"
     AGENT_NOT_FOUND = "AgentNotFound"
+    #: The run's pool does not admit the AgentRun's namespace (agentrun.operator.tenancy).
+    POOL_NOT_ALLOWED = "PoolNotAllowed"
+    #: Pending while its namespace has its quota of running runs (the claim passes it over).
+    QUOTA_EXCEEDED = "QuotaExceeded"
     INVALID_SPEC = "InvalidSpec"
     APPROVAL_REQUIRED = "ApprovalRequired"
     NOT_WAITING = "NotWaiting"
@@ -98,8 +102,14 @@ def summarise_arguments(args: Any, limit: int = 200) -> str:
     return truncate(json.dumps(args, sort_keys=True, ensure_ascii=False), limit) or ""
 
 
-def message(run: Run) -> str:
-    """One line for ``kubectl get agentruns``."""
+def message(run: Run, quota: Quota | None = None) -> str:
+    """One line for ``kubectl get agentruns`` (``quota``: the run's namespace's, when it is
+    full)."""
+    if run.status == "pending" and quota is not None:
+        return (
+            f"waiting: namespace {quota.namespace} has {quota.running} running runs, its quota "
+            f"is {quota.max_running}"
+        )
     if run.status == "pending":
         return f"waiting for a worker in pool {run.pool}"
     if run.status == "running":
@@ -122,7 +132,7 @@ class Cond:
     message: str = ""
 
 
-def conditions_for(run: Run, db_up: bool) -> list[Cond]:
+def conditions_for(run: Run, db_up: bool, quota: Quota | None = None) -> list[Cond]:
     finished = run.finished
     waiting = run.status == "waiting_approval"
     return [
@@ -140,13 +150,15 @@ def conditions_for(run: Run, db_up: bool) -> list[Cond]:
             message(run) if finished else "",
         ),
         db_condition(db_up),
-        ready_condition(run),
+        ready_condition(run, quota),
     ]
 
 
-def ready_condition(run: Run) -> Cond:
+def ready_condition(run: Run, quota: Quota | None = None) -> Cond:
     """Ready=True once the run succeeded (``kubectl wait --for=condition=Ready`` waits for
     success); False with the reason why not yet or never."""
+    if run.status == "pending" and quota is not None:
+        return Cond(CondType.READY, False, Reason.QUOTA_EXCEEDED, message(run, quota))
     if run.status == "succeeded":
         return Cond(CondType.READY, True, Reason.SUCCEEDED, message(run))
     if run.status == "waiting_approval":
@@ -207,10 +219,18 @@ def set_condition(
 
 
 def status_for(
-    run: Run, *, db_up: bool, previous: dict[str, Any] | None, generation: int | None = None
+    run: Run,
+    *,
+    db_up: bool,
+    previous: dict[str, Any] | None,
+    generation: int | None = None,
+    quota: Quota | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status`` for ``run`` (``previous``: what the object shows now;
-    ``generation``: the object's metadata.generation, echoed as observedGeneration)."""
+    ``generation``: the object's metadata.generation, echoed as observedGeneration; ``quota``:
+    the run's namespace's quota when it is full, which keeps a pending run waiting)."""
+    if quota is not None and quota.running < quota.max_running:
+        quota = None
     call = run.pending_call if run.status == "waiting_approval" else None
     return normalised({
         "observedGeneration": generation,
@@ -231,7 +251,7 @@ def status_for(
         "costUSD": round(run.cost_usd, 6),
         "result": truncate(run.result, MAX_TEXT),
         "error": truncate(run.error, MAX_TEXT),
-        "message": message(run),
+        "message": message(run, quota),
         "pendingApproval": {
             "seq": int(call["seq"]),
             "tool": str(call.get("tool")),
@@ -244,7 +264,7 @@ def status_for(
         "startedAt": _iso(run.started_at),
         "finishedAt": _iso(run.finished_at),
         "conditions": merge_conditions(
-            (previous or {}).get("conditions"), conditions_for(run, db_up), generation
+            (previous or {}).get("conditions"), conditions_for(run, db_up, quota), generation
         ),
     })
 

