@@ -91,6 +91,35 @@ async def _check_pool(
     )
 
 
+async def _check_tools(
+    op: OperatorApp,
+    store: Store,
+    pool: str,
+    agent: AgentSpec,
+    current: dict[str, Any],
+    ref: dict[str, Any],
+) -> None:
+    """Warn at apply time when the Agent asks for tools that its pool's workers did not register
+    (migration 0014). A warning, not a refusal: a pool scaled to zero whose new image adds the
+    tool has no worker to register it until a run makes the operator scale it up, so refusing
+    would wait forever. The run's own check at its first claim still fails it, naming the tool."""
+    if not agent.tools or current.get("runId"):
+        return
+    try:
+        served = await store.served_tools(pool)
+    except DB_ERRORS as exc:
+        raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
+    missing = [t for t in agent.tools if served is not None and t not in served]
+    if not missing:
+        return
+    known = ", ".join(sorted(served or ())) or "none"
+    await op.event(ref, Event("Warning", Reason.UNKNOWN_TOOL, one_line(
+        f"pool {pool}'s workers serve the tools {known}; the Agent asks for "
+        f"{', '.join(missing)}, which none of them registered: the run fails at its first claim "
+        f"unless a worker with them starts (add the module to workers.pools[{pool}].tools)",
+        1000)), run_id=None)
+
+
 AGENTRUNS = (GROUP, VERSION, "agentruns")
 AGENTS = (GROUP, VERSION, "agents")
 CANCEL = "agentrun.dev/cancel"
@@ -263,6 +292,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
             raise kopf.PermanentError(why) from None
 
         store = await store_or_retry(patch, current)
+        await _check_tools(app(), store, run_spec.pool or agent.pool, agent, current, ref)
         try:
             run, created = await store.create_run(
                 run_spec.task,

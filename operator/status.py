@@ -40,6 +40,8 @@ class Reason(StrEnum):
     POOL_NOT_ALLOWED = "PoolNotAllowed"
     #: Pending while its namespace has its quota of running runs (the claim passes it over).
     QUOTA_EXCEEDED = "QuotaExceeded"
+    #: Warning at apply time: the Agent asks for tools its pool's workers did not register.
+    UNKNOWN_TOOL = "UnknownTool"
     INVALID_SPEC = "InvalidSpec"
     APPROVAL_REQUIRED = "ApprovalRequired"
     NOT_WAITING = "NotWaiting"

@@ -343,6 +343,26 @@ async def test_an_agentrun_budget_over_its_agents_stops_the_run_with_a_warning_e
     assert w.wait() == 0
 
 
+async def test_an_agent_asking_for_a_tool_its_pool_does_not_serve_is_warned_at_apply(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    # What the pool's workers registered at their start (tests/test_toolsets.py shows a worker
+    # doing it): echo only.
+    await store.register_toolset("default", "worker-a", ["echo"])
+    operators.start()
+    cluster.apply_agent(agent_manifest("served", tools=["echo"]))
+    cluster.apply_agent(agent_manifest("unserved", tools=["echo", "drop_table"]))
+    cluster.apply_agentrun(agentrun_manifest("fine", agent={"name": "served"}))
+    cluster.apply_agentrun(agentrun_manifest("warned", agent={"name": "unserved"}))
+    await run_of(store, cluster, "fine")
+    await run_of(store, cluster, "warned")  # a warning, not a refusal: the run exists
+    await eventually(lambda: bool(events_of(cluster, "warned", "UnknownTool")), 10, "warning")
+    (event,) = events_of(cluster, "warned", "UnknownTool")
+    assert event["type"] == "Warning"
+    assert "serve the tools echo; the Agent asks for drop_table" in event["message"]
+    assert not events_of(cluster, "fine", "UnknownTool")
+
+
 async def test_cancel_annotation_cancels_the_run(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:

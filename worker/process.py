@@ -250,6 +250,7 @@ class Worker:
         listener: asyncio.Task[None] | None = None
         try:
             await self._until_schema()
+            await self._register_tools()
             listener = asyncio.create_task(self._listen(), name="listener")
             await self._until_listening()
             self.health.ready = True
@@ -286,6 +287,16 @@ class Worker:
             os._exit(1)
         log.info("%s: draining %d run(s)", sig.name, len(self.active))
         self.request_drain()
+
+    async def _register_tools(self) -> None:
+        """Tell the store which tools this pool's workers serve, so the operator can check an
+        Agent's tools when its AgentRun is applied. Advisory: a failure is a warning, and the
+        run's own check at its claim stays."""
+        s = self.settings
+        try:
+            await self.store.register_toolset(s.pool, s.worker_id, self.executor.registry.names())
+        except (psycopg.Error, OSError, PoolTimeout) as exc:
+            log.warning("could not register this worker's tools: %s", " ".join(str(exc).split()))
 
     async def _until_schema(self) -> None:
         """Return once the database schema is at the version this worker needs; until then, not

@@ -795,6 +795,26 @@ class Store:
             )
         return ClaimResult(claimed=claimed, dead_lettered=dead)
 
+    # -- tools served ---------------------------------------------------------------------------
+
+    async def register_toolset(self, pool: str, worker: str, tools: list[str]) -> None:
+        """Record that ``worker`` of ``pool`` serves ``tools`` (at its start)."""
+        names = sorted(set(tools))
+        digest = hashlib.sha256("\x1f".join(names).encode()).hexdigest()[:32]
+        async with self.pool.connection() as conn:
+            await conn.execute(queries["register_toolset"], {
+                "pool": pool, "tools_hash": digest, "tools": names, "worker": worker})
+
+    async def served_tools(self, pool: str) -> set[str] | None:
+        """The tools ``pool``'s workers serve, from what they registered lately; None when no
+        worker of the pool ever registered (nothing is known)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["served_tools"], {"pool": pool})
+            rows = await cur.fetchall()
+        if not rows:
+            return None
+        return {name for (tools,) in rows for name in tools}
+
     # -- quotas ---------------------------------------------------------------------------------
 
     async def set_quota(self, namespace: str, max_running: int) -> Quota:

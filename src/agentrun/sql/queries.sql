@@ -548,3 +548,16 @@ RETURNING until;
 
 -- unfollow_run --
 DELETE FROM run_follower WHERE run_id = %(run_id)s AND follower = %(follower)s;
+
+-- register_toolset --
+-- A worker's tool names, at its start (migration 0014).
+INSERT INTO pool_toolset (pool, tools_hash, tools, worker)
+VALUES (%(pool)s, %(tools_hash)s, %(tools)s, %(worker)s)
+ON CONFLICT (pool, tools_hash) DO UPDATE SET worker = EXCLUDED.worker, started_at = now();
+
+-- served_tools --
+-- The tool sets a pool's workers started with lately: within an hour of its newest set's start.
+SELECT tools FROM pool_toolset
+ WHERE pool = %(pool)s
+   AND started_at >= (SELECT max(started_at) FROM pool_toolset WHERE pool = %(pool)s)
+                     - interval '1 hour';
