@@ -100,7 +100,7 @@ async def _check_tools(
     ref: dict[str, Any],
 ) -> None:
     """Warn at apply time when the Agent asks for tools that its pool's workers did not register
-    (migration 0014). A warning, not a refusal: a pool scaled to zero whose new image adds the
+    (migration 0013). A warning, not a refusal: a pool scaled to zero whose new image adds the
     tool has no worker to register it until a run makes the operator scale it up, so refusing
     would wait forever. The run's own check at its first claim still fails it, naming the tool."""
     if not agent.tools or current.get("runId"):

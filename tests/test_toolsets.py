@@ -1,4 +1,4 @@
-"""The tools each pool's workers serve (migration 0014): a worker registers its tool names at
+"""The tools each pool's workers serve (migration 0013): a worker registers its tool names at
 start; the store answers with the sets started lately, so a rollout shows both and a set no
 worker started with for over an hour is taken as gone."""
 

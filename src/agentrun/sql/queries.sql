@@ -550,7 +550,7 @@ RETURNING until;
 DELETE FROM run_follower WHERE run_id = %(run_id)s AND follower = %(follower)s;
 
 -- register_toolset --
--- A worker's tool names, at its start (migration 0014).
+-- A worker's tool names, at its start (migration 0013).
 INSERT INTO pool_toolset (pool, tools_hash, tools, worker)
 VALUES (%(pool)s, %(tools_hash)s, %(tools)s, %(worker)s)
 ON CONFLICT (pool, tools_hash) DO UPDATE SET worker = EXCLUDED.worker, started_at = now();

@@ -1,4 +1,4 @@
--- agentrun schema, version 14: the tool names each pool's workers serve, so the operator can
+-- agentrun schema, version 13: the tool names each pool's workers serve, so the operator can
 -- check an Agent's tools when its AgentRun is applied (it never loads tool code itself).
 --
 -- One row per distinct tool set a pool's workers started with (an image, a --tools list): every
