@@ -330,6 +330,7 @@ class OperatorApp:
                 pool = str(event.get("pool"))
                 self.metrics.run_steps.labels(pool).observe(int(event.get("step") or 0))
                 self.metrics.run_attempts.labels(pool).observe(int(event.get("attempt") or 0))
+                self.metrics.run_cost.labels(pool).observe(float(event.get("cost_usd") or 0))
                 self.autoscaler.poke(pool)  # the scale-down clock starts now
         raise psycopg.OperationalError("the notification connection closed")
 

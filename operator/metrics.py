@@ -35,6 +35,12 @@ class OperatorMetrics:
             "agentrun_run_attempts", "Claims of finished runs (1: never resumed)", ["pool"],
             registry=r, buckets=(1, 2, 3, 4, 5, 6, 8, 10, 20, 50),
         )
+        self.run_cost = Histogram(
+            "agentrun_run_cost_usd",
+            "Estimated US dollars of finished runs (each turn priced by its worker's table)",
+            ["pool"], registry=r,
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100),
+        )
         self.scaling_decisions = Counter(
             "agentrun_scaling_decisions", "Deployment scale patches", ["pool", "direction"],
             registry=r,

@@ -854,6 +854,7 @@ def test_alerts_and_dashboard_use_metrics_that_exist(example: list[Doc]) -> None
         "agentrun_oldest_pending_seconds",
         "agentrun_run_steps_bucket",
         "agentrun_run_attempts_bucket",
+        "agentrun_run_cost_usd_bucket",
         "agentrun_step_seconds_bucket",
         "agentrun_tokens_total",
         "agentrun_cost_usd_total",

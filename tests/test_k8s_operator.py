@@ -219,6 +219,8 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     )
     assert op.metric("agentrun_run_steps_count", pool="default") == 1
     assert op.metric("agentrun_run_attempts_sum", pool="default") == 2
+    # Its estimated cost, from the notification (the appended turn's cost_usd above).
+    assert op.metric("agentrun_run_cost_usd_sum", pool="default") == pytest.approx(0.001234567)
     assert (op.metric("agentrun_status_patches_total") or 0) >= 4
     assert run.id == (await store.get_run(run.id)).id
 
