@@ -113,6 +113,10 @@ class OperatorSettings:
     #: Where the worker pods run (the chart: its release namespace); lets the operator say why
     #: a dead-lettered run's workers died (OOMKilled). None: not looked up.
     worker_namespace: str | None = None
+    #: Act on the agentrun.dev/approve and /reject annotations. They are unauthenticated (anyone
+    #: who may patch an AgentRun decides, and the name recorded is the object's): False refuses
+    #: them, so only AgentRunApproval objects decide (docs/operator.md).
+    approval_annotations: bool = True
 
     @classmethod
     def from_env(cls, database_url: str) -> OperatorSettings:
@@ -139,7 +143,16 @@ class OperatorSettings:
             health_interval=env_float("AGENTRUN_HEALTH_INTERVAL", 5.0),
             agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
             worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
+            approval_annotations=_env_bool("AGENTRUN_APPROVAL_ANNOTATIONS"),
         )
+
+
+def _env_bool(name: str, default: bool = True) -> bool:
+    """A true/false setting; anything else is a one-line error naming it."""
+    value = os.environ.get(name, "true" if default else "false").strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"{name} must be true or false, not {value!r}")
+    return value in ("true", "1", "yes")
 
 
 def _port(value: int) -> int | None:
