@@ -84,6 +84,13 @@ class _Refused(Exception):
 def register(registry: kopf.OperatorRegistry, app: Callable[[], OperatorApp]) -> None:
     """Add the AgentRunApproval handler to ``registry`` (``app``: the running OperatorApp)."""
     working: dict[str, asyncio.Task[None]] = {}
+    #: Approvals this process finished: the watch may still deliver an older version of one
+    #: (its Pending status, queued before the Applied patch), which must not start it again.
+    finished: set[str] = set()
+
+    def done(uid: str) -> None:
+        working.pop(uid, None)
+        finished.add(uid)
 
     @kopf.on.event(*APPROVALS, registry=registry, id="approval")
     async def approval(
@@ -91,15 +98,16 @@ def register(registry: kopf.OperatorRegistry, app: Callable[[], OperatorApp]) ->
         name: str, uid: str, **_: Any,
     ) -> None:
         if event.get("type") == "DELETED":
+            finished.discard(uid)
             task = working.pop(uid, None)
             if task is not None:
                 task.cancel()
             return
-        if status.get("phase") in DONE_PHASES or uid in working:
+        if status.get("phase") in DONE_PHASES or uid in working or uid in finished:
             return
         working[uid] = asyncio.create_task(
             _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
-                   dict(status), lambda: working.pop(uid, None)),
+                   dict(status), lambda: done(uid)),
             name=f"approval-{uid}")
 
 

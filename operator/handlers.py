@@ -161,7 +161,7 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
         state["app"] = OperatorApp(config, kube, metrics)
         await state["app"].start()
 
-
+    # AgentRunApproval objects (operator/approvals.py): decisions whose approver is vouched for.
     approvals.register(registry, app)
 
     @kopf.on.cleanup(registry=registry)
