@@ -10,6 +10,9 @@
 * annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>"``,
   ``agentrun.dev/reject: "<seq>"``, ``agentrun.dev/retry: "true"`` (or a reason): acted on in
   the store, then removed (consumed), with an Event saying what was done or why it was refused.
+  The approve/reject annotations are unauthenticated (whoever may patch the AgentRun decides);
+  ``approval_annotations=False`` refuses them. AgentRunApproval objects, whose approver the API
+  server vouches for, are handled in :mod:`agentrun.operator.approvals`.
 * ``spec.ttlSecondsAfterFinished``: the object is deleted that long after its run
   finished (the run's rows stay in the store; ``agentrun prune`` deletes those).
 * delete: the watch's DELETED event cancels the run in the store (its history stays there).
@@ -38,6 +41,7 @@ from pydantic import ValidationError
 from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRef, AgentRunSpec, AgentSpec
+from agentrun.operator import approvals
 from agentrun.operator.app import DB_ERRORS, OperatorApp
 from agentrun.operator.crds import GROUP, VERSION
 from agentrun.operator.kube import KubeApi
@@ -131,6 +135,8 @@ ACTIONS = (CANCEL, APPROVE, REJECT, RETRY)
 #: Put on AgentRuns by versions before 0.2; kopf removes it now that no handler needs it.
 FINALIZER = "agentrun.dev/finalizer"
 DB_RETRY_DELAY = 5.0
+#: Why an approve/reject annotation is refused when the chart turns them off.
+ANNOTATIONS_OFF = "approve by annotation is disabled; create an AgentRunApproval"
 #: How a retry while the Agent does not exist starts; its kopf log line is filtered out (we log
 #: the wait once, at WARNING, instead of an ERROR every retry).
 AWAITING_AGENT = "waiting for Agent"
@@ -219,6 +225,8 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
         state["app"] = OperatorApp(config, kube, metrics)
         await state["app"].start()
 
+    # AgentRunApproval objects (operator/approvals.py): decisions whose approver is vouched for.
+    approvals.register(registry, app)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
@@ -373,6 +381,8 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
                             f"with a fresh budget of {now.max_attempts} attempts", 1000)),
                         run.id)
                 else:
+                    if not config.approval_annotations:
+                        raise ConfigError(ANNOTATIONS_OFF)
                     try:
                         seq = int(value)
                     except ValueError:

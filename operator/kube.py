@@ -150,6 +150,38 @@ class KubeApi:
                 ) from None
             raise
 
+    async def get_agentrun(self, namespace: str, name: str) -> dict[str, Any]:
+        """The AgentRun object; raises :class:`NotFound`."""
+        obj: Any = await self._call(
+            "get",
+            lambda: self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, "agentruns", name
+            ),
+        )
+        return dict(obj)
+
+    async def patch_approval_status(
+        self, namespace: str, name: str, uid: str, status: dict[str, Any]
+    ) -> None:
+        """Replace the ``.status`` of the AgentRunApproval ``uid`` (the status subresource: the
+        admission policy on approvals matches their creation, not this). A ``test`` of the uid,
+        as for AgentRuns (a replaced object's 422 ends the attempt; its watch's DELETED event
+        ends the work on it); raises :class:`Gone` when it was deleted."""
+        ops: list[dict[str, Any]] = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "add", "path": "/status", "value": status},
+        ]
+        try:
+            await self._call(
+                "patch_status",
+                lambda: self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, "agentrunapprovals", name, ops,
+                    _content_type=JSON_PATCH,
+                ),
+            )
+        except NotFound:
+            raise Gone(f"AgentRunApproval {namespace}/{name} was deleted") from None
+
     async def delete_agentrun(self, namespace: str, name: str, uid: str) -> bool:
         """Delete the AgentRun object ``uid`` (a uid precondition: never another object that
         has its name now). False when it is gone already or was replaced."""

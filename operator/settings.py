@@ -106,14 +106,15 @@ class OperatorSettings:
     #: Which namespaces may use which pools, and the quotas (AGENTRUN_TENANCY_FILE,
     #: agentrun.operator.tenancy). Default: every pool admits every namespace, no quotas managed.
     tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Act on the agentrun.dev/approve and /reject annotations. They are unauthenticated (anyone
+    #: who may patch an AgentRun decides, and the name recorded is the object's): False refuses
+    #: them, so only AgentRunApproval objects decide (docs/operator.md).
+    approval_annotations: bool = True
 
     @classmethod
     def from_env(cls, database_url: str) -> OperatorSettings:
         pools_file = os.environ.get("AGENTRUN_POOLS_FILE", "")
         tenancy_file = os.environ.get("AGENTRUN_TENANCY_FILE", "")
-        migrate = os.environ.get("AGENTRUN_MIGRATE", "true").strip().lower()
-        if migrate not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(f"AGENTRUN_MIGRATE must be true or false, not {migrate!r}")
         return cls(
             database_url=database_url,
             pools=load_pools(pools_file) if pools_file else [],
@@ -122,7 +123,7 @@ class OperatorSettings:
                 for n in os.environ.get("AGENTRUN_WATCH_NAMESPACES", "").split(",")
                 if n.strip()
             ],
-            migrate=migrate in ("true", "1", "yes"),
+            migrate=_env_bool("AGENTRUN_MIGRATE"),
             resync_interval=env_float("AGENTRUN_RESYNC_INTERVAL", 10.0),
             flush_interval=env_float("AGENTRUN_STATUS_FLUSH_INTERVAL", 0.2),
             max_patches_per_second=env_float("AGENTRUN_MAX_PATCHES_PER_SECOND", 50.0),
@@ -134,7 +135,16 @@ class OperatorSettings:
             agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
             worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
             tenancy=load_tenancy(tenancy_file) if tenancy_file else Tenancy(),
+            approval_annotations=_env_bool("AGENTRUN_APPROVAL_ANNOTATIONS"),
         )
+
+
+def _env_bool(name: str, default: bool = True) -> bool:
+    """A true/false setting; anything else is a one-line error naming it."""
+    value = os.environ.get(name, "true" if default else "false").strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"{name} must be true or false, not {value!r}")
+    return value in ("true", "1", "yes")
 
 
 def _port(value: int) -> int | None:

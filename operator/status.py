@@ -65,6 +65,11 @@ class Reason(StrEnum):
     CANCEL_IGNORED = "CancelIgnored"
     RETRIED = "Retried"
     EXPIRED = "Expired"
+    #: AgentRunApproval: the decision was recorded (condition Applied=True) or not (Warning
+    #: Event, condition Applied=False); Pending while the database does not answer.
+    APPROVAL_APPLIED = "Applied"
+    APPROVAL_REFUSED = "ApprovalRefused"
+    APPROVAL_PENDING = "Pending"
     #: Warning: the holder's lease ran out (SIGKILL, OOM kill, node loss); another worker took
     #: the run over. A graceful release is HANDED_OVER (Normal).
     LEASE_EXPIRED = "LeaseExpired"

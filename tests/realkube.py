@@ -258,7 +258,8 @@ def write_token_kubeconfig(admin: Path, token: str, target: Path, namespace: str
 def apply_crds(kube: Kube) -> None:
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"),
                  namespaced=False)
-    for crd in ("agentruns.agentrun.dev", "agents.agentrun.dev"):
+    for crd in ("agentruns.agentrun.dev", "agents.agentrun.dev",
+                "agentrunapprovals.agentrun.dev"):
         kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s",
                      namespaced=False)
 

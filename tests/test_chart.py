@@ -423,6 +423,9 @@ WATCH_RULES = {
     ("agentrun.dev", "agentruns", frozenset({"get", "list", "watch", "patch", "delete"})),
     ("agentrun.dev", "agentruns/status", frozenset({"get", "patch"})),
     ("agentrun.dev", "agents", frozenset({"get", "list", "watch"})),
+    # Approvals are read, and only their status written: a decision is its creator's.
+    ("agentrun.dev", "agentrunapprovals", frozenset({"get", "list", "watch"})),
+    ("agentrun.dev", "agentrunapprovals/status", frozenset({"patch"})),
     ("", "events", frozenset({"create"})),  # kopf and the operator POST core/v1 Events only
 }
 #: kopf's resource observer watches CRDs in both modes.
@@ -450,12 +453,18 @@ def rules_of(role: Doc) -> set[Rule]:
     return out
 
 
+def operator_roles(docs: list[Doc], kind: str) -> list[Doc]:
+    return [r for r in of_kind(docs, kind)
+            if r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"]
+
+
 def roles_by_namespace(docs: list[Doc]) -> dict[str, set[Rule]]:
-    """Rules per namespace ("*": the ClusterRole), checking each is bound to the operator."""
+    """The operator's rules per namespace ("*": the ClusterRole), checking each is bound to the
+    operator."""
     sa = {"kind": "ServiceAccount", "name": f"{FULLNAME}-operator", "namespace": NAMESPACE}
     out: dict[str, set[Rule]] = {}
     for kind, binding_kind in (("ClusterRole", "ClusterRoleBinding"), ("Role", "RoleBinding")):
-        for role in of_kind(docs, kind):
+        for role in operator_roles(docs, kind):
             ns = role["metadata"].get("namespace", "*")
             out.setdefault(ns, set()).update(rules_of(role))
             bindings = [
@@ -470,12 +479,75 @@ def roles_by_namespace(docs: list[Doc]) -> dict[str, set[Rule]]:
 
 def assert_no_wildcards_or_secrets(docs: list[Doc]) -> None:
     for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role"):
+        operator = role in operator_roles(docs, role["kind"])
         for group, resource, verbs in rules_of(role):
             assert "*" not in (group, resource) and "*" not in verbs, role["metadata"]["name"]
             assert resource not in ("secrets", "configmaps"), role["metadata"]["name"]
             assert not verbs & {"deletecollection", "escalate", "bind", "impersonate"}
-            # The one deletion: an AgentRun object past its spec.ttlSecondsAfterFinished.
-            assert "delete" not in verbs or (group, resource) == ("agentrun.dev", "agentruns")
+            # The operator's one deletion: an AgentRun object past its ttlSecondsAfterFinished.
+            assert not operator or "delete" not in verbs or (group, resource) == (
+                "agentrun.dev", "agentruns")
+
+
+def test_the_approver_and_editor_roles_separate_running_from_approving(
+    defaults: list[Doc]
+) -> None:
+    editor = named(defaults, "ClusterRole", f"{FULLNAME}-editor")
+    approver = named(defaults, "ClusterRole", f"{FULLNAME}-approver")
+    edit = frozenset({"create", "update", "patch", "delete", "get", "list", "watch"})
+    read = frozenset({"get", "list", "watch"})
+    assert rules_of(editor) == {
+        ("agentrun.dev", "agentruns", edit),
+        ("agentrun.dev", "agents", edit),
+        ("agentrun.dev", "agentrunapprovals", read),  # not create: editors do not approve
+    }
+    assert rules_of(approver) == {
+        ("agentrun.dev", "agentrunapprovals", read | {"create"}),
+        ("agentrun.dev", "agentruns", read),
+    }
+    # The chart binds neither: who holds them is the cluster's decision.
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        assert all(b["roleRef"]["name"] not in (editor["metadata"]["name"],
+                                                approver["metadata"]["name"])
+                   for b in of_kind(defaults, kind))
+
+
+#: What helm install learns from the API server (Kubernetes 1.30+), given to helm template.
+VAP_API = ["--api-versions", "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"]
+
+
+def test_the_admission_policy_makes_the_approver_the_requester() -> None:
+    docs = template(*SECRETS, *VAP_API)
+    name = f"{FULLNAME}-approver-is-requester"
+    policy = named(docs, "ValidatingAdmissionPolicy", name)
+    binding = named(docs, "ValidatingAdmissionPolicyBinding", name)
+    for doc in (policy, binding):
+        kv.validate(doc, kv.latest_version(), strict=True)
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    # CREATE only (the spec is immutable; an update by another user is no forgery), and the
+    # status subresource the operator patches is not matched.
+    assert rule["operations"] == ["CREATE"] and rule["resources"] == ["agentrunapprovals"]
+    (check,) = policy["spec"]["validations"]
+    assert check["expression"] == "object.spec.approver == request.userInfo.username"
+    assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+
+
+@pytest.mark.parametrize("values", [[*SECRETS], [*SECRETS, *VAP_API, "--set",
+                                                  "approvals.admissionPolicy=false"]],
+                         ids=["server-without-policies", "turned-off"])
+def test_the_admission_policy_is_left_out_where_it_cannot_or_should_not_be(
+    values: list[str]
+) -> None:
+    kinds = {d["kind"] for d in template(*values)}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
+def test_the_approval_annotations_switch() -> None:
+    for value, env in ((None, "true"), ("false", "false")):
+        docs = template(*SECRETS, *(["--set", f"operator.approvalAnnotations={value}"]
+                                    if value else []))
+        c = named(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+        assert env_of(c["containers"][0])["AGENTRUN_APPROVAL_ANNOTATIONS"]["value"] == env
 
 
 def test_rbac_grants_exactly_the_operator_rules_cluster_wide(defaults: list[Doc]) -> None:
@@ -521,6 +593,7 @@ def test_operator_is_one_replica_recreated_with_its_settings(defaults: list[Doc]
         "AGENTRUN_WORKER_NAMESPACE": "agentrun",  # where an OOMKilled worker pod is looked up
         "AGENTRUN_WATCH_NAMESPACES": "",
         "AGENTRUN_MIGRATE": "true",
+        "AGENTRUN_APPROVAL_ANNOTATIONS": "true",
         "AGENTRUN_LOG_FORMAT": "json",
         "AGENTRUN_METRICS_PORT": "9090",
         "AGENTRUN_HEALTH_PORT": "8080",
@@ -797,7 +870,8 @@ def test_chart_crds_equal_the_repository_crds() -> None:
 
 def test_crds_are_installed_by_the_chart(defaults: list[Doc]) -> None:
     names = {d["metadata"]["name"] for d in of_kind(defaults, "CustomResourceDefinition")}
-    assert names == {"agentruns.agentrun.dev", "agents.agentrun.dev"}
+    assert names == {"agentruns.agentrun.dev", "agents.agentrun.dev",
+                     "agentrunapprovals.agentrun.dev"}
 
 
 # -- monitoring ----------------------------------------------------------------------------------

@@ -12,7 +12,13 @@ import yaml
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec, inline_fields, load_manifests
-from agentrun.operator.crds import agent_crd, agent_union_rules, agentrun_crd, rendered
+from agentrun.operator.crds import (
+    agent_crd,
+    agent_union_rules,
+    agentrun_crd,
+    approval_crd,
+    rendered,
+)
 
 CRDS = Path(__file__).resolve().parent.parent / "crds"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.yaml"
@@ -68,7 +74,7 @@ def _walk(node: Any, path: str = "") -> list[str]:
 
 
 def test_schemas_are_structural() -> None:
-    for crd in (agentrun_crd(), agent_crd()):
+    for crd in (agentrun_crd(), agent_crd(), approval_crd()):
         assert _walk(schema_of(crd)) == []
 
 
@@ -104,6 +110,37 @@ def test_printer_columns_status_subresource_and_cel_rules() -> None:
     assert "spec.thinking.budgetTokens" in agent_spec["x-kubernetes-validations"][0]["message"]
 
 
+def test_approval_crd_columns_immutable_spec_and_required_fields() -> None:
+    crd = approval_crd()
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["kind"] == "AgentRunApproval"
+    assert crd["spec"]["names"]["shortNames"] == ["arapproval", "ara"]
+    assert crd["spec"]["scope"] == "Namespaced"
+    # The operator writes the status through its subresource, which the admission policy on
+    # approvals (matching their creation) does not see.
+    assert version["subresources"] == {"status": {}}
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names[:6] == ["AgentRun", "Seq", "Decision", "Approver", "Phase", "Age"]
+    schema = schema_of(crd)
+    spec = schema["properties"]["spec"]
+    assert spec["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+    assert set(spec["required"]) == {"agentRun", "seq", "decision", "approver"}
+    assert spec["properties"]["decision"]["enum"] == ["approve", "reject"]
+    assert spec["properties"]["seq"]["minimum"] == 0
+    status = schema["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == ["Pending", "Applied", "Refused"]
+    assert {"message", "runId", "decidedAt", "call", "conditions"} <= set(status)
+    good = {"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRunApproval",
+            "metadata": {"name": "a"},
+            "spec": {"agentRun": "r", "seq": 0, "decision": "approve", "approver": "alice"}}
+    jsonschema.validate(good, schema)
+    for bad in ({"decision": "maybe"}, {"seq": -1}, {"approver": ""}, {"reason": "x" * 1025}):
+        doc = copy.deepcopy(good)
+        doc["spec"].update(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, schema)
+
+
 def test_status_conditions_are_a_map_list_of_metav1_conditions() -> None:
     status = schema_of(agentrun_crd())["properties"]["status"]
     assert "observedGeneration" in status["properties"]
@@ -131,7 +168,7 @@ def _strings(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
 def test_every_string_and_list_is_bounded() -> None:
     # Unbounded, a 300 KB task was admitted and wedged the operator; and the API server estimates
     # CEL costs from these bounds.
-    for crd in (agentrun_crd(), agent_crd()):
+    for crd in (agentrun_crd(), agent_crd(), approval_crd()):
         for path, node in _strings(schema_of(crd)["properties"]["spec"], "spec"):
             bounded = "enum" in node or "maxLength" in node or "maxItems" in node
             assert bounded, f"{crd['metadata']['name']}: {path} has no maxLength/maxItems"

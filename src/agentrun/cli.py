@@ -499,7 +499,35 @@ async def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _talks_to_kubernetes(args: argparse.Namespace) -> bool:
+    return bool(args.kube or args.namespace or args.kubeconfig or args.context)
+
+
+async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
+    """``approve``/``reject`` as an AgentRunApproval: RUN is the AgentRun's name, the approver
+    the user the API server authenticates the kubeconfig's credentials as."""
+    from agentrun.kubeapprovals import AsyncKubeApprovals
+
+    if args.by:
+        raise ConfigError(
+            "--by: with --kube the approver is the user the API server authenticates (your "
+            "kubeconfig's credentials), not a name given here; drop --by")
+    if getattr(args, "abort", False):
+        raise ConfigError("--abort is not available with --kube: reject it without --abort, "
+                          "or cancel the AgentRun (agentrun.dev/cancel) to end it")
+    decision: Literal["approve", "reject"] = "approve" if args.command == "approve" else "reject"
+    async with AsyncKubeApprovals(kubeconfig=args.kubeconfig, context=args.context,
+                                  namespace=args.namespace) as kube:
+        outcome = await kube.decide(args.run, args.seq, decision, reason=args.reason,
+                                    timeout=args.timeout)
+    print(f"agentrunapproval/{outcome.name} in {outcome.namespace}: {outcome.phase}: "
+          f"{outcome.message}")
+    return 0
+
+
 async def cmd_decide(args: argparse.Namespace) -> int:
+    if _talks_to_kubernetes(args):
+        return await _decide_in_kubernetes(args)
     decision: Literal["approved", "rejected"] = (
         "approved" if args.command == "approve" else "rejected"
     )
@@ -1195,10 +1223,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("approve", "reject"):
         s = sub.add_parser(name, help=f"{name} the tool call a waiting run is stopped on")
-        s.add_argument("run", help="run id")
+        s.add_argument("run", help="run id; with --kube, the AgentRun's name")
         s.add_argument("seq", type=int, help="the step of the call (agentrun runs shows it)")
         s.add_argument("--reason", help="why, recorded with the decision")
-        s.add_argument("--by", help="who decides (default: $USER)")
+        s.add_argument("--by", help="who decides (default: $USER; not with --kube)")
+        s.add_argument(
+            "--kube", action="store_true",
+            help="decide through Kubernetes: create an AgentRunApproval with your kubeconfig's "
+            "credentials (approver: the user the API server names) and wait for the operator",
+        )
+        s.add_argument("-n", "--namespace",
+                       help="the AgentRun's namespace (implies --kube; default: the context's)")
+        s.add_argument("--kubeconfig", help="kubeconfig file (implies --kube; default: "
+                       "$KUBECONFIG, else ~/.kube/config)")
+        s.add_argument("--context", help="kubeconfig context (implies --kube; default: the "
+                       "current one)")
+        s.add_argument(
+            "--timeout", type=float, default=60.0, metavar="SECONDS",
+            help=f"with --kube: how long to wait for the operator (default: 60; exit "
+            f"{EXIT_TIMEOUT} after)",
+        )
         if name == "reject":
             s.add_argument(
                 "--abort",

@@ -1,4 +1,5 @@
-"""The manifests users write: ``Agent`` and ``AgentRun`` (group agentrun.dev, version v1alpha1).
+"""The manifests users write: ``Agent``, ``AgentRun`` and ``AgentRunApproval`` (group agentrun.dev,
+version v1alpha1).
 
 The same YAML works with ``kubectl apply`` and with ``agentrun submit -f``. These pydantic models
 are the one definition of their fields: the CLI validates with them, the operator resolves with
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -293,6 +294,45 @@ class AgentRunSpec(_Spec):
                     "agent_kind", REFERENCE_MESSAGE, {"fields": ", ".join(inline)}
                 )
         return value
+
+
+#: An approval's free-text reason: one or two sentences for the step log and the Event.
+MAX_REASON = 1024
+#: A Kubernetes user name as the API server reports it (``system:serviceaccount:NS:NAME`` is at
+#: most 16 + 63 + 1 + 253 characters; an OIDC or certificate name is shorter in practice).
+MAX_USERNAME = 512
+#: What an AgentRunApproval decides, as its spec spells it.
+ApprovalDecision = Literal["approve", "reject"]
+
+
+class AgentRunApprovalSpec(_Spec):
+    """A human decision on the call an AgentRun waits on. Created by an approver (RBAC grants
+    ``create`` on agentrunapprovals to approvers only); the chart's ValidatingAdmissionPolicy
+    admits it only when ``approver`` is the name the API server authenticated the request as."""
+
+    agent_run: str = Field(
+        alias="agentRun",
+        min_length=1,
+        max_length=MAX_NAME,
+        description="Name of the AgentRun (in the same namespace) whose call is decided.",
+    )
+    seq: int = Field(
+        ge=0,
+        le=10**9,
+        description="The step the run waits on (its .status.pendingApproval.seq).",
+    )
+    decision: ApprovalDecision = Field(
+        description="approve: the call runs; reject: the model is told it was rejected."
+    )
+    reason: str | None = Field(
+        None, max_length=MAX_REASON, description="Why, recorded with the decision."
+    )
+    approver: str = Field(
+        min_length=1,
+        max_length=MAX_USERNAME,
+        description="Who decides: must be the user creating the object, as the API server "
+        "authenticated them (the chart's admission policy refuses any other name).",
+    )
 
 
 class Metadata(BaseModel):

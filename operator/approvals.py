@@ -1,0 +1,278 @@
+"""AgentRunApproval objects: a decision on the call an AgentRun waits on, by a user the API
+server authenticated.
+
+RBAC decides who may decide (``create`` on agentrunapprovals: the chart's ``-approver``
+ClusterRole, not its ``-editor`` one), and the chart's ValidatingAdmissionPolicy admits an
+approval only when ``spec.approver`` is the name the request was authenticated as. So the name
+this module records as ``decided_by`` (the approval row, hence the step log and ``agentrun get``)
+and puts in the Events is the authenticated user's, not a claim.
+
+What happens to one approval, once:
+
+* the AgentRun ``spec.agentRun`` of the approval's namespace is read (its uid names its run);
+* the call the run waits on is written into ``.status.call`` (still Pending), then
+  ``store.decide(run, spec.seq, ...)`` records the decision, ``decided_by=spec.approver``,
+  ``reason=spec.reason``. It locks the run's row and checks the run waits on that step: of two
+  approvals of one step made at once, the first decides and the second is refused (the run no
+  longer waits), whatever their decisions;
+* ``.status`` becomes ``Applied`` (runId, decidedAt, condition Applied=True) or ``Refused``
+  (the one-line reason: no such AgentRun, the run waits on another step or on none...), with an
+  Event on the approval and one on the AgentRun (``Approved`` / ``Rejected``, or a Warning
+  ``ActionRefused``).
+
+A raw watch-event handler, not kopf's create handler: kopf's create handler keeps its progress in
+annotations of the object, which would need ``patch`` on approvals; the operator may only patch
+their status. The status is the record of what was done: an approval whose phase is Applied or
+Refused is never acted on again (an operator restart lists every approval, and passes these
+by). One task per approval does the work, retrying while the database or the API server does
+not answer (phase Pending meanwhile); deleting the approval stops it. An operator killed after
+the decision, before the status said so, finds the decision by ``.status.call`` when it comes
+back: its own (approver, decision and reason alike) makes the approval Applied, another's
+Refused ("decided first"), none and a run still waiting lets it decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+from uuid import UUID
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from agentrun.errors import AgentrunError, DatabaseUnavailable
+from agentrun.faults import crash_point
+from agentrun.manifests import AgentRunApprovalSpec
+from agentrun.operator.app import DB_ERRORS, OperatorApp, backoff
+from agentrun.operator.crds import GROUP, VERSION, AgentRunApprovalStatus
+from agentrun.operator.kube import Gone, NotFound
+from agentrun.operator.status import Cond, Event, Reason, now_iso, one_line, set_condition
+from agentrun.store import Approval, Store
+
+log = logging.getLogger(__name__)
+
+APPROVALS = (GROUP, VERSION, "agentrunapprovals")
+#: The condition an approval carries: True once its decision is recorded.
+APPLIED = "Applied"
+#: Phases after which the operator leaves an approval alone.
+DONE_PHASES = ("Applied", "Refused")
+#: What is retried (the approval stays Pending meanwhile): an outage, not a refusal.
+RETRIED: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
+DECISIONS: dict[str, Literal["approved", "rejected"]] = {
+    "approve": "approved", "reject": "rejected"}
+
+
+def _ref(kind: str, namespace: str, name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": kind,
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+    }
+
+
+class _Refused(Exception):
+    """The approval is not applied, for good (the message says why, on one line)."""
+
+    def __init__(self, message: str, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+def register(registry: kopf.OperatorRegistry, app: Callable[[], OperatorApp]) -> None:
+    """Add the AgentRunApproval handler to ``registry`` (``app``: the running OperatorApp)."""
+    working: dict[str, asyncio.Task[None]] = {}
+    #: Approvals this process finished: the watch may still deliver an older version of one
+    #: (its Pending status, queued before the Applied patch), which must not start it again.
+    finished: set[str] = set()
+
+    def done(uid: str) -> None:
+        working.pop(uid, None)
+        finished.add(uid)
+
+    @kopf.on.event(*APPROVALS, registry=registry, id="approval")
+    async def approval(
+        event: kopf.RawEvent, body: kopf.Body, status: kopf.Status, namespace: str | None,
+        name: str, uid: str, **_: Any,
+    ) -> None:
+        if event.get("type") == "DELETED":
+            finished.discard(uid)
+            task = working.pop(uid, None)
+            if task is not None:
+                task.cancel()
+            return
+        if status.get("phase") in DONE_PHASES or uid in working or uid in finished:
+            return
+        working[uid] = asyncio.create_task(
+            _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
+                   dict(status), lambda: done(uid)),
+            name=f"approval-{uid}")
+
+
+async def _apply(
+    app: Callable[[], OperatorApp], namespace: str, name: str, uid: str, raw: dict[str, Any],
+    status: dict[str, Any], done: Callable[[], object],
+) -> None:
+    """Act on one approval, retrying until it is Applied or Refused (or deleted)."""
+    me = _ref("AgentRunApproval", namespace, name, uid)
+    waiting_said = False
+    attempt = 0
+    try:
+        while True:
+            try:
+                await _decide(app(), namespace, name, uid, raw, status)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Gone:
+                return  # deleted meanwhile: nothing to report on
+            except RETRIED as exc:
+                why = one_line(str(exc) or type(exc).__name__, 300)
+                if not waiting_said:  # once per approval, not once per retry
+                    waiting_said = True
+                    log.warning("AgentRunApproval %s/%s: not applied yet (%s); retrying",
+                                namespace, name, why)
+                    pending = _status(status, "Pending", f"not applied yet: {why}", None,
+                                      Cond(APPLIED, False, Reason.APPROVAL_PENDING, why))
+                    try:
+                        await app().kube.patch_approval_status(namespace, name, uid, pending)
+                        status = pending
+                    except Exception as patch_exc:  # the API server may be what is down
+                        log.warning("AgentRunApproval %s/%s: could not set Pending: %s",
+                                    namespace, name, patch_exc)
+            await asyncio.sleep(backoff(attempt))
+            attempt += 1
+    except Exception:
+        log.exception("AgentRunApproval %s/%s: failed; the next operator start retries it",
+                      namespace, name)
+        await _post(app(), me, Event("Warning", Reason.APPROVAL_REFUSED,
+                                     "the operator failed on this approval; see its log"), None)
+    finally:
+        done()
+
+
+async def _decide(
+    app: OperatorApp, namespace: str, name: str, uid: str, raw: dict[str, Any],
+    status: dict[str, Any],
+) -> None:
+    me = _ref("AgentRunApproval", namespace, name, uid)
+    run_ref: dict[str, Any] | None = None
+    run_id: str | None = None
+    try:
+        try:
+            spec = AgentRunApprovalSpec.model_validate(raw)
+        except ValidationError as exc:  # the CRD's schema admits no such object; be safe
+            raise _Refused("invalid spec: " + "; ".join(
+                f"spec.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+            ) from None
+        store = await app.ready_store()
+        if store is None:
+            raise ConnectionError("the database is unavailable")
+        try:
+            obj = await app.kube.get_agentrun(namespace, spec.agent_run)
+        except NotFound:
+            raise _Refused(f"no AgentRun {spec.agent_run!r} in namespace {namespace}") from None
+        run_ref = _ref("AgentRun", namespace, spec.agent_run, obj["metadata"]["uid"])
+        run = await store.get_run_by_k8s_uid(obj["metadata"]["uid"])
+        if run is None:
+            raise _Refused(f"AgentRun {spec.agent_run} has no run yet (the operator has not "
+                           "accepted it); it cannot be waiting for a decision")
+        run_id = str(run.id)
+        decision = DECISIONS[spec.decision]
+        call = status.get("call") if status.get("runId") == run_id else None
+        prior = await _recorded(store, run.id, spec.seq, call)
+        if prior is None:
+            pending = run.pending_call if run.status == "waiting_approval" else None
+            if pending is not None and int(pending["seq"]) == spec.seq:
+                # Which call this decides, written down before deciding: an operator killed
+                # right after the decision finds it in the store by these, and does not call
+                # its own recorded decision a refusal.
+                call = {"tool": str(pending.get("tool")), "index": int(pending["call_index"]),
+                        "stage": str(pending["stage"]),
+                        "attempt": int(pending.get("attempt") or 1)}
+                status = _status(status, "Pending", "recording the decision", run_id,
+                                 Cond(APPLIED, False, Reason.APPROVAL_PENDING, "recording"),
+                                 call=call)
+                await app.kube.patch_approval_status(namespace, name, uid, status)
+            try:
+                await store.decide(run.id, spec.seq, decision, decided_by=spec.approver,
+                                   reason=spec.reason)
+            except DatabaseUnavailable:
+                raise
+            except AgentrunError as exc:  # not waiting, waiting on another step, no such run
+                first = await _recorded(store, run.id, spec.seq, call)
+                raise _Refused(str(exc) + (
+                    f": step {spec.seq} was decided first, {first.decision} by "
+                    f"{first.decided_by}" if first is not None else ""), run_id) from None
+            crash_point("operator_after_decide", spec.seq)
+        elif (prior.decided_by, prior.decision, prior.reason) != (
+                spec.approver, decision, spec.reason):
+            raise _Refused(f"step {spec.seq} was decided first, {prior.decision} by "
+                           f"{prior.decided_by}", run_id)
+        # else: this approval's own decision, recorded before an operator restart.
+    except _Refused as refused:
+        why = one_line(str(refused), 900)
+        new = _status(status, "Refused", why, refused.run_id,
+                      Cond(APPLIED, False, Reason.APPROVAL_REFUSED, why))
+        await app.kube.patch_approval_status(namespace, name, uid, new)
+        log.warning("AgentRunApproval %s/%s by %s refused: %s", namespace, name,
+                    raw.get("approver"), why, extra={"run_id": str(refused.run_id)})
+        await _post(app, me, Event("Warning", Reason.APPROVAL_REFUSED, why), refused.run_id)
+        if run_ref is not None:
+            await _post(app, run_ref, Event(
+                "Warning", Reason.ACTION_REFUSED,
+                one_line(f"AgentRunApproval {name} ({raw.get('decision')} step "
+                         f"{raw.get('seq')} by {raw.get('approver')}): {why}", 1000)),
+                refused.run_id)
+        return
+    tool = (call or {}).get("tool") or "?"
+    said = one_line(f"step {spec.seq} ({tool}) {decision} by {spec.approver}"
+                    + (f": {spec.reason}" if spec.reason else ""), 1000)
+    new = _status(status, "Applied", said, run_id,
+                  Cond(APPLIED, True, Reason.APPROVAL_APPLIED, said), decided=True, call=call)
+    await app.kube.patch_approval_status(namespace, name, uid, new)
+    reason = Reason.APPROVED if decision == "approved" else Reason.REJECTED
+    log.info("AgentRunApproval %s/%s applied: %s", namespace, name, said,
+             extra={"run_id": run_id})
+    app.mirror.notify(run.id)
+    await _post(app, run_ref, Event("Normal", reason, said), run_id)
+    await _post(app, me, Event("Normal", reason, said), run_id)
+
+
+async def _recorded(
+    store: Store, run_id: UUID, seq: int, call: dict[str, Any] | None
+) -> Approval | None:
+    """The decision the store holds on ``call`` of step ``seq`` (None: none, or no call)."""
+    if not call:
+        return None
+    return await store.get_approval(run_id, seq, int(call["index"]), str(call["stage"]),
+                                    int(call["attempt"]))
+
+
+def _status(
+    previous: dict[str, Any], phase: str, message: str, run_id: str | None, cond: Cond,
+    *, decided: bool = False, call: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    status = AgentRunApprovalStatus.model_validate({
+        "phase": phase,
+        "message": message,
+        "runId": run_id,
+        "decidedAt": now_iso() if decided else None,
+        "call": call,
+        "conditions": set_condition(previous.get("conditions"), cond),
+    })
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+async def _post(app: OperatorApp, involved: dict[str, Any], e: Event, run_id: str | None) -> None:
+    """An Event about an approval or its AgentRun. Informative: a failure is logged only."""
+    meta = involved["metadata"]
+    app.metrics.events.labels(e.reason).inc()
+    try:
+        await app.kube.post_event(involved, e.type, e.reason, e.message)
+    except Exception as exc:
+        log.warning("%s %s/%s: could not post the %s event: %s", involved["kind"],
+                    meta["namespace"], meta["name"], e.reason, exc,
+                    extra={"run_id": str(run_id)})
