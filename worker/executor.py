@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import anthropic
-
 from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
@@ -42,6 +40,7 @@ from agentrun.tools import (
     idempotency_key,
     make_context,
 )
+from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
 from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
@@ -162,7 +161,7 @@ def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
 @dataclass
 class RunExecutor:
     store: Store
-    client: anthropic.AsyncAnthropic
+    clients: Providers  # one client per provider, made when a run first needs it
     registry: ToolRegistry
     metrics: WorkerMetrics
     health: Health
@@ -235,6 +234,7 @@ class RunExecutor:
         if run.rollback_reason:  # a worker died mid-rollback: finish it, never go on
             await self.abort(h, run.rollback_reason)
             return None
+        client = await self.client_for(h)
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
@@ -274,7 +274,7 @@ class RunExecutor:
             h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
             try:
                 turn = await call_model(
-                    self.client,
+                    client,
                     build_request(pv, messages),
                     policy=self.retry,
                     on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
@@ -304,6 +304,15 @@ class RunExecutor:
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
+
+    async def client_for(self, h: RunHandle) -> ModelClient:
+        """The client of the run's provider. One this worker cannot call (its settings or
+        credentials are missing here) fails the run at once, before any model call, with the
+        line naming what to set: every retry and every attempt would fail alike."""
+        try:
+            return await self.clients.get(h.run.provider)
+        except ProviderUnavailable as exc:
+            raise RunFailed(str(exc)) from None
 
     async def abort(self, h: RunHandle, reason: str) -> None:
         """Tier 3: the run fails. First undo, newest first, every recorded effect that declared

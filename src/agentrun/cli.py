@@ -26,12 +26,9 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 import psycopg
-
-if TYPE_CHECKING:
-    import anthropic
 
 from agentrun import __version__
 from agentrun.cli_format import (
@@ -733,20 +730,6 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
                 ) from None
 
 
-def make_client() -> anthropic.AsyncAnthropic:
-    # 2.7 s to import: only the worker pays it, not runs/steps/cancel.
-    from agentrun.worker.client import AsyncAnthropic
-
-    key = os.environ.get("ANTHROPIC_API_KEY")
-    if not key:
-        raise ConfigError(
-            "ANTHROPIC_API_KEY is not set; set it (from a Secret), or point ANTHROPIC_BASE_URL at "
-            "agentrun fake-anthropic with any key to run offline"
-        )
-    # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
-    return AsyncAnthropic(api_key=key, max_retries=0, timeout=600.0)
-
-
 async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.model_call import RetryPolicy
     from agentrun.worker.process import (
@@ -788,7 +771,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
     check_ports([("--control-port", CONTROL_PORT_ENV, control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
-    client = make_client()
+    # 2.7 s to import the SDK: only the worker pays it, not runs/steps/cancel. Each provider's
+    # client is made when a run first needs it (a bedrock-only pool needs no Anthropic key).
+    from agentrun.worker.client import Providers
+
+    client = Providers()
     url = database_url()
     if _using_embedded():
         await check_connect(url)

@@ -141,6 +141,7 @@ def describe_run(run: Run, *, full: bool = False) -> str:
         ("status", run.status + (" (rolling back)" if run.rolling_back else "")),
         ("pool", run.pool),
         ("model", run.model),
+        ("provider", run.provider),
         ("step", f"{run.next_seq} (max {run.max_steps})"),
         ("attempt", f"{run.attempt} (in a row without a step: {run.stalled_attempts}, "
                     f"max {run.max_attempts})"),
