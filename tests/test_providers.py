@@ -10,17 +10,20 @@ GKE metadata server) and asks it for tokens. The server checks each platform's a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from anthropic._constants import ANTHROPIC_API_VERSION
+from anthropic.lib.aws._auth import _get_session
 from botocore.eventstream import EventStreamBuffer
 from conftest import run_cli
 from test_prompt_cache import answered, assert_totals_are_the_steps_sum
@@ -29,7 +32,9 @@ from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.platforms import chunk_frame, exception_frame
 from agentrun.manifests import AgentSpec
-from agentrun.store import Store
+from agentrun.store import PromptVersion, Store
+from agentrun.worker.client import bedrock_client
+from agentrun.worker.model_call import PermanentModelError, RetryPolicy, build_request, call_model
 
 ACCESS_KEY = "AKIDAGENTRUNTEST"
 SECRET_KEY = "agentrun-test-secret-key"
@@ -238,5 +243,102 @@ def test_event_stream_frames_decode_with_botocore() -> None:
     broken[20] ^= 1
     bad = EventStreamBuffer()
     bad.add_data(bytes(broken))
-    with pytest.raises(Exception, match="(?i)checksum|crc"):
+    with pytest.raises(Exception, match=r"(?i)checksum|crc"):
         list(bad)
+
+
+# --- the platforms' errors, through the SDK's own clients and the worker's classification ---
+
+
+def faulty(faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return platform_scenario(2, faults={0: faults})
+
+
+@pytest.fixture
+def bedrock_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[Any], None]:
+    def use(srv: FakeAnthropicServer) -> None:
+        for name, value in aws_env(tmp_path, srv).items():
+            monkeypatch.setenv(name, value)
+    return use
+
+
+async def first_turn(client: Any, policy: RetryPolicy) -> Any:
+    pv = PromptVersion(model=BEDROCK_MODEL, system="s", tools=[], params={"max_tokens": 1024})
+    return await call_model(client, build_request(pv, [{"role": "user", "content": "echo"}]),
+                            policy=policy, sleep=lambda _: asyncio.sleep(0))
+
+
+@pytest.mark.parametrize("fault", [
+    {"status": 429}, {"status": 503}, {"stream": "error", "type": "overloaded_error"},
+    {"stream": "garbage"}, {"stream": "truncated"},
+])
+async def test_bedrock_errors_are_transient_where_the_first_party_ones_are(
+    fake: FakeFactory, bedrock_env: Callable[[Any], None], fault: dict[str, Any]
+) -> None:
+    srv = fake(faulty([fault]))
+    bedrock_env(srv)
+    client = bedrock_client()
+    retries: list[str] = []
+    try:
+        turn = await call_model(
+            client,
+            build_request(PromptVersion(model=BEDROCK_MODEL, system="", tools=[],
+                                        params={"max_tokens": 1024}),
+                          [{"role": "user", "content": "echo"}]),
+            policy=RetryPolicy(max_retries=1),
+            on_retry=retries.append,
+            sleep=lambda _: asyncio.sleep(0),
+        )
+    finally:
+        await client.close()
+    assert turn.stop_reason == "tool_use" and len(retries) == 1, retries
+    assert [e.get("status") for e in srv.requests()] == [
+        fault.get("status", 200), 200]
+
+
+async def test_a_bad_bedrock_signature_is_a_permanent_failure_with_bedrocks_message(
+    fake: FakeFactory, bedrock_env: Callable[[Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv = fake(platform_scenario(2))
+    bedrock_env(srv)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    _get_session.cache_clear()  # the SDK keeps one boto3 session per process
+    client = bedrock_client()
+    try:
+        with pytest.raises(PermanentModelError) as err:
+            await first_turn(client, RetryPolicy(max_retries=3))
+    finally:
+        await client.close()
+    assert str(err.value) == ("403: The request signature we calculated does not match the "
+                              "signature you provided.")
+    assert len(srv.requests()) == 1  # not retried
+
+
+async def test_vertex_errors_in_googles_shape_are_classified_by_status(
+    fake: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from anthropic.lib.vertex import AsyncAnthropicVertex
+
+    srv = fake({**echo_scenario(2, faults={0: [{"status": 429}]}),
+                "vertex": {"project": PROJECT}})
+    client = AsyncAnthropicVertex(region=VERTEX_REGION, project_id=PROJECT,
+                                  access_token="not-issued", base_url=f"{srv.base_url}/v1",
+                                  max_retries=0)
+    try:
+        with pytest.raises(PermanentModelError) as err:  # a token the server never issued
+            await first_turn(client, RetryPolicy(max_retries=3))
+        assert str(err.value) == (
+            "401 UNAUTHENTICATED: Request had invalid authentication credentials.")
+        token = srv.state.tokens.issue(None)["access_token"]
+        client = client.copy(access_token=token)
+        retries: list[str] = []
+        pv = PromptVersion(model=VERTEX_MODEL, system="", tools=[], params={"max_tokens": 1024})
+        turn = await call_model(client, build_request(pv, [{"role": "user", "content": "echo"}]),
+                                policy=RetryPolicy(max_retries=1), on_retry=retries.append,
+                                sleep=lambda _: asyncio.sleep(0))
+    finally:
+        await client.close()
+    assert turn.stop_reason == "tool_use" and retries == ["429"]
+    assert srv.requests()[1]["error"] and srv.requests()[1]["status"] == 429

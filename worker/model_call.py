@@ -245,8 +245,8 @@ def _provider_message(exc: BaseException) -> str:
         return f"credentials: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     err = _error_body(exc)
     where = "error event in the stream" if _in_stream(exc) else str(exc.status_code)
-    if err.get("message"):
-        return f"{where} {err.get('type', 'error')}: {err['message']}"
+    if err.get("message"):  # the API's {type, message}, or Google's {code, message, status}
+        return f"{where} {err.get('type') or err.get('status') or 'error'}: {err['message']}"
     body = exc.body
     if isinstance(body, dict) and isinstance(body.get("message"), str):  # Bedrock's errors
         return f"{where}: {body['message']}"
