@@ -16,8 +16,10 @@ COPY src ./src
 COPY operator ./operator
 COPY worker ./worker
 # src/agentrun/operator and src/agentrun/worker are symlinks to the two folders above.
+# The extras: the SDK's Bedrock and Vertex clients (boto3, google-auth), for Agents whose
+# spec.provider is bedrock or vertex; a worker imports them only when such a run comes.
 RUN /opt/agentrun/bin/pip install --upgrade pip \
- && /opt/agentrun/bin/pip install . \
+ && /opt/agentrun/bin/pip install ".[bedrock,vertex]" \
  && /opt/agentrun/bin/agentrun --version
 
 # -- final: the venv on a clean slim base, as a non-root user --------------------------------------
