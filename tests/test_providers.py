@@ -32,6 +32,7 @@ from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.platforms import chunk_frame, exception_frame
 from agentrun.manifests import AgentSpec
+from agentrun.pricing import INPUT_USD_PER_MTOK, cost_usd
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.client import bedrock_client
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, build_request, call_model
@@ -197,6 +198,9 @@ async def test_get_shows_the_provider_and_a_bad_one_is_refused_naming_the_field(
     shown = run_cli("get", str(run.id), env={"AGENTRUN_DATABASE_URL": database_url})
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"^provider:\s+vertex$", shown.stdout, re.M), shown.stdout
+    wide = run_cli("runs", "-o", "wide", env={"AGENTRUN_DATABASE_URL": database_url})
+    header, row = wide.stdout.splitlines()[:2]
+    assert header.split()[8] == "PROVIDER" and row.split()[8] == "vertex", wide.stdout
     path = tmp_path / "bad.yaml"
     path.write_text(
         "apiVersion: agentrun.dev/v1alpha1\nkind: Agent\nmetadata: {name: a}\n"
@@ -342,3 +346,13 @@ async def test_vertex_errors_in_googles_shape_are_classified_by_status(
         await client.close()
     assert turn.stop_reason == "tool_use" and retries == ["429"]
     assert srv.requests()[1]["error"] and srv.requests()[1]["status"] == 429
+
+
+@pytest.mark.parametrize("model", [
+    "claude-opus-4-1", "claude-opus-4-1-20250805", "anthropic.claude-opus-4-1-20250805-v1:0",
+    "us.anthropic.claude-opus-4-1-20250805-v1:0", "claude-opus-4-1@20250805",
+    "arn:aws:bedrock:us-east-1:123456789012:inference-profile/"
+    "us.anthropic.claude-opus-4-1-20250805-v1:0",
+])
+def test_every_providers_model_id_is_priced_as_its_family(model: str) -> None:
+    assert cost_usd(model, {"input": 10**6}) == INPUT_USD_PER_MTOK["claude-opus-4-1"]

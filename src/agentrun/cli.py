@@ -133,6 +133,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
                 str(r.next_seq),
                 str(r.attempt),
                 r.model,
+                r.provider,
                 f"{r.input_tokens}/{r.output_tokens}/{r.cache_read_tokens}/"
                 f"{r.cache_write_tokens}",
                 r.lease_owner or "-",
@@ -142,7 +143,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
             for r in runs
         ]
         headers = ["ID", "NAMESPACE", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL",
-                   "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "WORKER", "AGE", "MESSAGE"]
+                   "PROVIDER", "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "WORKER", "AGE", "MESSAGE"]
         print(table(headers, wide))
         return 0
     rows = [
