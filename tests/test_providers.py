@@ -356,3 +356,25 @@ async def test_vertex_errors_in_googles_shape_are_classified_by_status(
 ])
 def test_every_providers_model_id_is_priced_as_its_family(model: str) -> None:
     assert cost_usd(model, {"input": 10**6}) == INPUT_USD_PER_MTOK["claude-opus-4-1"]
+
+
+async def test_bedrock_signs_the_escaped_bytes_of_a_lone_surrogate_for_an_inference_profile_arn(
+    fake: FakeFactory, bedrock_env: Callable[[Any], None]
+) -> None:
+    """The surrogate-escaping client is the Bedrock one too: a lone surrogate (a tool's output)
+    goes as a \\udxxx escape, and the signature the server verifies covers those bytes. An
+    inference profile's ARN (a "/" in the model id) reaches the route and the SigV4 path."""
+    srv = fake(platform_scenario(2))
+    bedrock_env(srv)
+    client = bedrock_client()
+    arn = ("arn:aws:bedrock:eu-west-1:123456789012:inference-profile/"
+           "eu.anthropic.claude-sonnet-4-5-20250929-v1:0")
+    try:
+        message = await client.messages.create(
+            model=arn, max_tokens=64, messages=[{"role": "user", "content": "echo \ud800"}])
+    finally:
+        await client.close()
+    assert message.stop_reason == "tool_use"
+    (entry,) = srv.requests()
+    assert entry["status"] == 200 and entry["model"] == arn
+    assert "echo \\ud800" in entry["body"]

@@ -224,7 +224,9 @@ class Providers:
         self._clients: dict[str, ModelClient] = {}
         self._factories = factories if factories is not None else FACTORIES
         self._default = default
-        self._lock = asyncio.Lock()
+        # One per provider: a slow credential probe of one (a metadata server that does not
+        # answer) holds up no run of another.
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def get(self, provider: str) -> ModelClient:
         """The provider's client; :class:`ProviderUnavailable` if this worker cannot call it.
@@ -237,7 +239,7 @@ class Providers:
             raise ProviderUnavailable(
                 f"provider {provider!r} is not one this worker knows ({', '.join(PROVIDERS)})"
             )
-        async with self._lock:  # two runs claimed together make one client
+        async with self._locks.setdefault(provider, asyncio.Lock()):  # runs claimed together
             client = self._clients.get(provider)
             if client is None:
                 client = await asyncio.to_thread(factory)
