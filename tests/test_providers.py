@@ -17,7 +17,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,11 +259,18 @@ def faulty(faults: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def bedrock_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[Any], None]:
+def bedrock_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Callable[[Any], None]]:
+    """The AWS environment of :func:`aws_env`, in this process. The SDK keeps one boto3 session
+    (with its credentials) per process: cleared, so each test signs with its own."""
     def use(srv: FakeAnthropicServer) -> None:
         for name, value in aws_env(tmp_path, srv).items():
             monkeypatch.setenv(name, value)
-    return use
+        _get_session.cache_clear()
+
+    yield use
+    _get_session.cache_clear()
 
 
 async def first_turn(client: Any, policy: RetryPolicy) -> Any:
@@ -308,7 +315,7 @@ async def test_a_bad_bedrock_signature_is_a_permanent_failure_with_bedrocks_mess
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    _get_session.cache_clear()  # the SDK keeps one boto3 session per process
+    _get_session.cache_clear()  # after bedrock_env's own clear: these credentials
     client = bedrock_client()
     try:
         with pytest.raises(PermanentModelError) as err:
