@@ -16,9 +16,11 @@ COPY src ./src
 COPY operator ./operator
 COPY worker ./worker
 # src/agentrun/operator and src/agentrun/worker are symlinks to the two folders above.
-# The otel extra (OpenTelemetry SDK and OTLP exporter): OTEL_* environment alone turns traces on.
+# The extras: the OpenTelemetry SDK and OTLP exporter (OTEL_* environment alone turns traces on),
+# and the SDK's Bedrock and Vertex clients (boto3, google-auth) for Agents whose spec.provider is
+# bedrock or vertex; a worker imports those only when such a run comes.
 RUN /opt/agentrun/bin/pip install --upgrade pip \
- && /opt/agentrun/bin/pip install ".[otel]" \
+ && /opt/agentrun/bin/pip install ".[otel,bedrock,vertex]" \
  && /opt/agentrun/bin/agentrun --version
 
 # -- final: the venv on a clean slim base, as a non-root user --------------------------------------

@@ -47,6 +47,7 @@ from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
 from agentrun.tools import default_registry, make_context
+from agentrun.worker.client import Providers
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request
@@ -121,7 +122,7 @@ async def per_step(url: str, base_url: str, turns: int, repeat: int) -> dict[str
     metrics = WorkerMetrics()
     executor = RunExecutor(
         store,
-        client,
+        Providers(default=client),
         REGISTRY,
         metrics,
         Health(60, metrics),

@@ -138,6 +138,9 @@ class AgentRunStatus(BaseModel):
     attempt: int | None = Field(None, description="Claims so far.")
     worker: str | None = _text(STATUS_LINE, "The worker holding the run.")
     model: str | None = _text(STATUS_LINE, "The pinned model.")
+    provider: str | None = _text(
+        STATUS_LINE, "Where the model is called: anthropic, bedrock or vertex (pinned)."
+    )
     prompt_version: str | None = _text(STATUS_LINE, alias="promptVersion")
     tokens: TokenUsage | None = None
     cost_usd: float | None = Field(
@@ -325,6 +328,7 @@ def agentrun_crd() -> dict[str, Any]:
         ("Attempt", "integer", ".status.attempt", 0),
         ("Agent", "string", ".spec.agent.name", 0),
         ("Model", "string", ".status.model", 1),
+        ("Provider", "string", ".status.provider", 1),
         ("Age", "date", ".metadata.creationTimestamp", 0),
         ("Message", "string", ".status.message", 0),
         ("Worker", "string", ".status.worker", 1),
@@ -339,6 +343,7 @@ def agent_crd() -> dict[str, Any]:
     spec["x-kubernetes-validations"] = [_budget_rule("spec.")]
     columns = [
         ("Model", "string", ".spec.model", 0),
+        ("Provider", "string", ".spec.provider", 0),
         ("Pool", "string", ".spec.pool", 0),
         ("Age", "date", ".metadata.creationTimestamp", 0),
     ]

@@ -247,6 +247,7 @@ def status_for(
         "attempt": run.attempt,
         "worker": run.lease_owner if run.status == "running" else None,
         "model": run.model,
+        "provider": run.provider,
         "promptVersion": run.prompt_version,
         "tokens": {
             "input": run.input_tokens,

@@ -122,6 +122,8 @@ async def test_runs_shows_text_no_terminal_can_print(database_url: str, store: S
          "metadata.name: String should have at most 253 characters"),
         ('metadata: {name: x}\nspec: {agent: {model: m, tools: ["' + "t" * 9000 + '"]}, task: t}',
          b"", "spec.agent.tools.0: String should have at most 64 characters"),
+        ('metadata: {name: x}\nspec: {agent: {model: m, provider: azure}, task: t}', b"",
+         "spec.agent.provider: Input should be 'anthropic', 'bedrock' or 'vertex'"),
         # A name with a newline in it: still one line.
         ('metadata: {name: "two\\nlines"}\nspec: {agent: {model: m}, task: t, pool: Bad}', b"",
          "AgentRun two\\nlines: spec.pool"),

@@ -83,7 +83,26 @@ def bundled_pg() -> list[Doc]:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["defaults", "example", "bundled_pg"])
+ROLE_ARN = "arn:aws:iam::123456789012:role/agentrun-bedrock"
+GCP_SA = "agentrun-worker@acme-ml.iam.gserviceaccount.com"
+#: Pools for each provider: pod identity on a ServiceAccount of the pool's own, settings in env.
+PROVIDER_POOLS = [
+    {"name": "default"},
+    {"name": "aws", "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}},
+     "extraEnv": [{"name": "AWS_REGION", "value": "eu-west-1"}]},
+    {"name": "gcp", "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": GCP_SA}},
+     "extraEnv": [{"name": "CLOUD_ML_REGION", "value": "us-east5"},
+                  {"name": "ANTHROPIC_VERTEX_PROJECT_ID", "value": "acme-ml"}]},
+    {"name": "mine", "serviceAccount": {"name": "made-by-eksctl"}},
+]
+
+
+@pytest.fixture(scope="module")
+def providers() -> list[Doc]:
+    return template(*SECRETS, *pools(*PROVIDER_POOLS))
+
+
+@pytest.fixture(scope="module", params=["defaults", "example", "bundled_pg", "providers"])
 def rendered(request: pytest.FixtureRequest) -> list[Doc]:
     docs: list[Doc] = request.getfixturevalue(request.param)
     return docs
@@ -392,6 +411,8 @@ def test_workers_get_no_kubernetes_api_token(rendered: list[Doc]) -> None:
     for d in workers(rendered):
         spec = d["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False, d["metadata"]["name"]
+        if spec["serviceAccountName"] == "made-by-eksctl":
+            continue  # an existing one the values name: the pod spec alone mounts no token
         sa = named(rendered, "ServiceAccount", spec["serviceAccountName"])
         assert sa["automountServiceAccountToken"] is False
 
@@ -848,6 +869,58 @@ def test_a_bad_quota_is_refused_by_the_values_schema() -> None:
     assert "maxRunningRuns" in refused(*SECRETS, "--set", "quotas.team-a.maxRunningRuns=-1")
     assert "'Team_A' does not match pattern" in refused(
         *SECRETS, "--set", "quotas.Team_A.maxRunningRuns=1")  # not a namespace name
+
+
+def test_a_pool_with_pod_identity_annotations_gets_a_service_account_of_its_own(
+    providers: list[Doc],
+) -> None:
+    specs = {
+        d["metadata"]["labels"]["agentrun.dev/pool"]: d["spec"]["template"]["spec"]
+        for d in workers(providers)
+    }
+    assert specs["default"]["serviceAccountName"] == f"{FULLNAME}-worker"
+    assert specs["mine"]["serviceAccountName"] == "made-by-eksctl"  # not created by the chart
+    assert not [d for d in of_kind(providers, "ServiceAccount")
+                if d["metadata"]["name"] == "made-by-eksctl"]
+    for pool, wanted in (("aws", {"eks.amazonaws.com/role-arn": ROLE_ARN}),
+                         ("gcp", {"iam.gke.io/gcp-service-account": GCP_SA})):
+        sa = named(providers, "ServiceAccount", f"{FULLNAME}-worker-{pool}")
+        assert sa["metadata"]["annotations"] == wanted
+        assert sa["metadata"]["labels"]["agentrun.dev/pool"] == pool
+        assert sa["automountServiceAccountToken"] is False
+        assert specs[pool]["serviceAccountName"] == f"{FULLNAME}-worker-{pool}"
+    # Still no Kubernetes API token anywhere: IRSA and GKE bring their own means.
+    assert all(spec["automountServiceAccountToken"] is False for spec in specs.values())
+    aws_env = env_of(specs["aws"]["containers"][0])
+    assert aws_env["AWS_REGION"]["value"] == "eu-west-1"
+    gcp_env = env_of(specs["gcp"]["containers"][0])
+    assert gcp_env["CLOUD_ML_REGION"]["value"] == "us-east5"
+    assert gcp_env["ANTHROPIC_VERTEX_PROJECT_ID"]["value"] == "acme-ml"
+    # No access key anywhere: the pod's identity is the credential.
+    assert not [n for spec in specs.values() for n in env_of(spec["containers"][0])
+                if n.startswith("AWS_SECRET") or n == "GOOGLE_APPLICATION_CREDENTIALS"]
+
+
+def test_pool_defaults_pod_identity_reaches_every_pool() -> None:
+    sa = {"annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}}
+    docs = template(*SECRETS, "--set-json", f"workers.poolDefaults.serviceAccount={json.dumps(sa)}")
+    (d,) = workers(docs)
+    name = d["spec"]["template"]["spec"]["serviceAccountName"]
+    assert name == f"{FULLNAME}-worker-default"
+    assert named(docs, "ServiceAccount", name)["metadata"]["annotations"] == {
+        "eks.amazonaws.com/role-arn": ROLE_ARN}
+
+
+def test_without_the_anthropic_api_workers_get_no_key_and_need_no_secret() -> None:
+    docs = template("--set", "database.existingSecret=agentrun-db",
+                    "--set", "anthropic.enabled=false")
+    (d,) = workers(docs)
+    assert "ANTHROPIC_API_KEY" not in env_of(d["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_schema_refuses_a_misspelt_service_account_key() -> None:
+    err = refused(*SECRETS, *pools({"name": "a", "serviceAccount": {"annotation": {}}}))
+    assert "annotation" in err and "values don't meet the specifications" in err, err
 
 
 def test_one_disruption_budget_per_pool(rendered: list[Doc]) -> None:

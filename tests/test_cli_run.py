@@ -61,6 +61,7 @@ def test_submit_resolves_the_agent_and_pins_it_on_the_run(
         "pool": "migrations",
         "requireApproval": False,
         "promptCaching": True,
+        "provider": "anthropic",
     }
     res = run_cli("steps", created["id"], env=env)
     assert res.returncode == 0 and "pending, 0 steps" in res.stdout

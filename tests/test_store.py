@@ -279,6 +279,7 @@ async def test_pinned_fields_and_prompt_versions_cannot_change(
         "tools": ["read_schema"],
         "requireApproval": False,
         "promptCaching": True,
+        "provider": "anthropic",
     }
     assert await store.pin_prompt_version(lease, PROMPT) == PROMPT.id
     # A later worker with other tool definitions keeps the first pin.

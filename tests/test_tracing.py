@@ -1,6 +1,6 @@
 """OpenTelemetry traces of run attempts (issue 15), with real workers and the real SDKs.
 
-In process: a Worker built as `agentrun worker` builds it (the client from make_client, the
+In process: a Worker built as `agentrun worker` builds it (the client from anthropic_client, the
 provider handed to Worker) with the OpenTelemetry SDK's in-memory exporter, against the scripted
 server: one trace per claim, a `chat {model}` span per model call with the anthropic SDK's own
 call span nested in it, an `execute_tool {name}` span per tool call, the run id as
@@ -38,11 +38,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
-from agentrun.cli import make_client
 from agentrun.logs import JsonFormatter, RunIdFilter
 from agentrun.manifests import AgentSpec
 from agentrun.store import Run, Store
 from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
+from agentrun.worker.client import anthropic_client
 from agentrun.worker.process import Worker, WorkerSettings
 from agentrun.worker.tracing import exporter_names, setup_tracing
 
@@ -136,7 +136,7 @@ def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def model_env(monkeypatch: pytest.MonkeyPatch, no_otel_env: None) -> Callable[[str], None]:
-    """make_client reads the environment, as in a worker pod."""
+    """anthropic_client reads the environment, as in a worker pod."""
 
     def point_at(base_url: str) -> None:
         monkeypatch.setenv("ANTHROPIC_API_KEY", "test")
@@ -151,7 +151,7 @@ async def run_worker(
 ) -> None:
     """A worker as `agentrun worker` makes it (traced client, provider handed over) until
     ``until()`` (awaitable) returns; then it drains (and ``then()`` is called)."""
-    client = make_client(traced=True)
+    client = anthropic_client(traced=True)
     worker = Worker(
         store, client, REGISTRY,
         WorkerSettings(health_port=None, worker_id=name, lease_ttl=5, poll_interval=0.5),
@@ -404,7 +404,7 @@ async def test_without_otel_env_no_provider_is_set_up_and_the_sdk_makes_no_spans
     assert setup_tracing(worker_id="w") is None
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     # The SDK client's own spans follow ours: off, whatever provider someone registers later.
-    off, on = make_client(traced=False), make_client(traced=True)
+    off, on = anthropic_client(traced=False), anthropic_client(traced=True)
     try:
         assert off.open_telemetry["traces"]["enabled"] is False
         assert on.open_telemetry["traces"]["enabled"] is True

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import anthropic
-
 from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
 from agentrun.pricing import BUILT_IN, PriceTable
@@ -44,6 +42,7 @@ from agentrun.tools import (
     make_context,
 )
 from agentrun.worker.budget import Spend, over_budget, turn_tokens
+from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
 from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
@@ -165,7 +164,7 @@ def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
 @dataclass
 class RunExecutor:
     store: Store
-    client: anthropic.AsyncAnthropic
+    clients: Providers  # one client per provider, made when a run first needs it
     registry: ToolRegistry
     metrics: WorkerMetrics
     health: Health
@@ -226,7 +225,6 @@ class RunExecutor:
     async def advance(self, h: RunHandle) -> str | None:
         """Run until the run ends (returns None) or the worker drains (returns "drain")."""
         run = h.run
-        client = self.tracing.client_for(self.client, h.run_id)  # its spans carry the run id
         pv = await self.pinned_prompt(h)
         steps = await self.store.steps(run.id)
         if [s.seq for s in steps] != list(range(len(steps))):
@@ -245,6 +243,8 @@ class RunExecutor:
         if run.rollback_reason:  # a worker died mid-rollback: finish it, never go on
             await self.abort(h, run.rollback_reason)
             return None
+        # The run's provider's client; its spans carry the run id.
+        client = self.tracing.client_for(await self.client_for(h), h.run_id)
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
@@ -322,6 +322,15 @@ class RunExecutor:
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
+
+    async def client_for(self, h: RunHandle) -> ModelClient:
+        """The client of the run's provider. One this worker cannot call (its settings or
+        credentials are missing here) fails the run at once, before any model call, with the
+        line naming what to set: every retry and every attempt would fail alike."""
+        try:
+            return await self.clients.get(h.run.provider)
+        except ProviderUnavailable as exc:
+            raise RunFailed(str(exc)) from None
 
     async def abort(self, h: RunHandle, reason: str) -> None:
         """Tier 3: the run fails. First undo, newest first, every recorded effect that declared

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
 
 from agentrun.config import DEFAULT_MODEL_DEADLINE
 from agentrun.store import PromptVersion, canonical_json
+from agentrun.worker.client import ModelClient
 
 log = logging.getLogger("agentrun.worker.model")
 
@@ -109,6 +111,31 @@ PERMANENT_TYPES = frozenset({
 # order" (RuntimeError), a delta for a block that never started (IndexError), an event of no
 # known shape (TypeError). Provider and transport errors derive from none of these.
 _MALFORMED = (ValueError, RuntimeError, LookupError, TypeError)
+
+
+def _malformed() -> tuple[type[BaseException], ...]:
+    """:data:`_MALFORMED`, and botocore's event-stream ParserError once botocore is loaded (a
+    Bedrock stream whose frames do not parse); never imported here for a worker without it."""
+    eventstream = sys.modules.get("botocore.eventstream")
+    parser_error = getattr(eventstream, "ParserError", None)
+    return (*_MALFORMED, parser_error) if isinstance(parser_error, type) else _MALFORMED
+
+
+def _credential_error(exc: BaseException) -> str | None:
+    """'transient' or 'permanent' for a failure to get the provider's credentials (google-auth
+    refreshing a token, boto3 resolving the pod's role), raised before a request is sent; None
+    for anything else. A network failure or one the library calls retryable is transient; a
+    refusal (no credentials, a revoked grant, a role that cannot be assumed) is permanent."""
+    gauth = sys.modules.get("google.auth.exceptions")
+    if gauth is not None and isinstance(exc, gauth.GoogleAuthError):
+        transient = isinstance(exc, gauth.TransportError) or getattr(exc, "retryable", False)
+        return "transient" if transient else "permanent"
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is not None and isinstance(exc, boto.BotoCoreError | boto.ClientError):
+        if isinstance(exc, boto.HTTPClientError | boto.ConnectionError):
+            return "transient"
+        return "permanent"
+    return None
 
 
 def _canonical(value: Any) -> Any:
@@ -213,11 +240,16 @@ def _in_stream(exc: anthropic.APIStatusError) -> bool:
     return exc.status_code < 400
 
 
-def _provider_message(exc: anthropic.APIStatusError) -> str:
+def _provider_message(exc: BaseException) -> str:
+    if not isinstance(exc, anthropic.APIStatusError):  # the provider's credentials
+        return f"credentials: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     err = _error_body(exc)
     where = "error event in the stream" if _in_stream(exc) else str(exc.status_code)
-    if err.get("message"):
-        return f"{where} {err.get('type', 'error')}: {err['message']}"
+    if err.get("message"):  # the API's {type, message}, or Google's {code, message, status}
+        return f"{where} {err.get('type') or err.get('status') or 'error'}: {err['message']}"
+    body = exc.body
+    if isinstance(body, dict) and isinstance(body.get("message"), str):  # Bedrock's errors
+        return f"{where}: {body['message']}"
     return f"{where}: {exc.message}"
 
 
@@ -251,14 +283,14 @@ def classify(exc: BaseException) -> str:
         return "transient"
     if isinstance(exc, anthropic.APIConnectionError | httpx.TransportError):
         return "transient"  # includes APITimeoutError and a bare httpx ReadTimeout mid-stream
-    return "unknown"
+    return _credential_error(exc) or "unknown"
 
 
 OnEvent = Callable[[], None]
 
 
 async def call_model(
-    client: anthropic.AsyncAnthropic,
+    client: ModelClient,
     request: dict[str, Any],
     *,
     policy: RetryPolicy,
@@ -274,7 +306,6 @@ async def call_model(
         except Exception as exc:
             kind = classify(exc)
             if kind == "permanent":
-                assert isinstance(exc, anthropic.APIStatusError)
                 raise PermanentModelError(_provider_message(exc)) from None
             if kind != "transient":
                 raise
@@ -293,7 +324,7 @@ async def call_model(
 
 
 async def _call_once(
-    client: anthropic.AsyncAnthropic,
+    client: ModelClient,
     request: dict[str, Any],
     deadline: float,
     on_first_event: OnEvent | None,
@@ -312,7 +343,7 @@ async def _call_once(
 
 
 async def _stream_turn(
-    client: anthropic.AsyncAnthropic,
+    client: ModelClient,
     request: dict[str, Any],
     on_first_event: OnEvent | None,
 ) -> ModelTurn:
@@ -324,7 +355,7 @@ async def _stream_turn(
                 event = await anext(events)
             except StopAsyncIteration:
                 break
-            except _MALFORMED as exc:
+            except _malformed() as exc:
                 raise MalformedStream(
                     f"malformed stream: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 ) from exc

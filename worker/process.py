@@ -41,7 +41,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from uuid import UUID
 
-import anthropic
 import psycopg
 from aiohttp import web
 from opentelemetry.trace import TracerProvider
@@ -55,6 +54,7 @@ from agentrun.migrations import latest_version, schema_version
 from agentrun.pricing import BUILT_IN, PriceTable
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store, check_connect
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
+from agentrun.worker.client import ModelClient, Providers
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
@@ -193,12 +193,14 @@ class Worker:
     def __init__(
         self,
         store: Store,
-        client: anthropic.AsyncAnthropic,
+        client: ModelClient | Providers,
         registry: ToolRegistry,
         settings: WorkerSettings,
         *,
         tracer_provider: TracerProvider | None = None,  # agentrun.worker.tracing.setup_tracing
     ) -> None:
+        """``client``: the clients by provider, or one client for every run (its provider
+        whatever it is: an in-process worker's, a test's)."""
         check_settings(settings)
         self.store = store
         self.settings = settings
@@ -212,7 +214,7 @@ class Worker:
         self.health.drain = self.drain_and_wait
         self.executor = RunExecutor(
             store,
-            client,
+            client if isinstance(client, Providers) else Providers(factories={}, default=client),
             registry,
             self.metrics,
             self.health,

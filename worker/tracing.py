@@ -35,7 +35,6 @@ from agentrun import __version__
 from agentrun.logs import POD_NAME_ENV
 
 if TYPE_CHECKING:
-    import anthropic
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from agentrun.tools import ToolRegistry
@@ -60,6 +59,7 @@ EXPORTER_GROUP: Final = "opentelemetry_traces_exporter"
 INSTALL_HINT: Final = "pip install 'agentrun[otel]'"
 
 T = TypeVar("T")
+C = TypeVar("C")  # a model client of any provider
 
 
 def exporter_names(env: Mapping[str, str]) -> list[str]:
@@ -251,18 +251,22 @@ class RunTracer:
         )
         return Attempt(span)
 
-    def client_for(self, client: anthropic.AsyncAnthropic, run_id: str) -> anthropic.AsyncAnthropic:
-        """The SDK client for one claim: its call spans go to our provider and carry the run id
-        as gen_ai.conversation.id. A copy shares the original's connection pool."""
-        if self.provider is None:
+    def client_for(self, client: C, run_id: str) -> C:
+        """The SDK client for one claim (any provider's: they share the SDK's base client): its
+        call spans go to our provider and carry the run id as gen_ai.conversation.id. A copy
+        shares the original's connection pool."""
+        with_options = getattr(client, "with_options", None)
+        if self.provider is None or with_options is None:
             return client
-        return client.with_options(open_telemetry={
-            **client.open_telemetry, "tracer_provider": self.provider, "conversation_id": run_id,
+        copy: C = with_options(open_telemetry={
+            **getattr(client, "open_telemetry", {}), "tracer_provider": self.provider,
+            "conversation_id": run_id,
         })
+        return copy
 
     async def model_turn(
         self,
-        client: anthropic.AsyncAnthropic,
+        client: object,
         model: str,
         seq: int,
         call: Awaitable[ModelTurn],
@@ -270,7 +274,7 @@ class RunTracer:
         """Await one model call (retries included) inside a ``chat {model}`` span."""
         if self._tracer is None:
             return await call
-        conversation = client.open_telemetry.get("conversation_id")
+        conversation = (getattr(client, "open_telemetry", None) or {}).get("conversation_id")
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
             # The SDK's name for its provider (a Bedrock or Vertex client says so); the attribute

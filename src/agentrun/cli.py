@@ -26,12 +26,9 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 import psycopg
-
-if TYPE_CHECKING:
-    import anthropic
 
 from agentrun import __version__
 from agentrun.cli_format import (
@@ -137,6 +134,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
                 str(r.next_seq),
                 str(r.attempt),
                 r.model,
+                r.provider,
                 f"{r.input_tokens}/{r.output_tokens}/{r.cache_read_tokens}/"
                 f"{r.cache_write_tokens}",
                 f"{r.cost_usd:.4f}",
@@ -147,8 +145,8 @@ async def cmd_runs(args: argparse.Namespace) -> int:
             for r in runs
         ]
         headers = ["ID", "NAMESPACE", "NAME", "POOL", "STATUS", "STEP", "ATTEMPT", "MODEL",
-                   "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "COST(USD)", "WORKER", "AGE",
-                   "MESSAGE"]
+                   "PROVIDER", "TOKENS(IN/OUT/CACHE-READ/CACHE-WRITE)", "COST(USD)", "WORKER",
+                   "AGE", "MESSAGE"]
         print(table(headers, wide))
         return 0
     rows = [
@@ -764,24 +762,6 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
                 ) from None
 
 
-def make_client(*, traced: bool = False) -> anthropic.AsyncAnthropic:
-    # 2.7 s to import: only the worker pays it, not runs/steps/cancel.
-    from agentrun.worker.client import AsyncAnthropic
-
-    key = os.environ.get("ANTHROPIC_API_KEY")
-    if not key:
-        raise ConfigError(
-            "ANTHROPIC_API_KEY is not set; set it (from a Secret), or point ANTHROPIC_BASE_URL at "
-            "agentrun fake-anthropic with any key to run offline"
-        )
-    # The SDK's own retries are off: the worker retries with its lease kept alive (model_call.py).
-    # Its own spans follow ours (worker/tracing.py): off unless OTEL_* turned tracing on, and then
-    # as ANTHROPIC_OPEN_TELEMETRY* say.
-    return AsyncAnthropic(
-        api_key=key, max_retries=0, timeout=600.0, open_telemetry=None if traced else False
-    )
-
-
 async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.model_call import RetryPolicy
     from agentrun.worker.process import (
@@ -826,7 +806,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     check_ports([("--control-port", CONTROL_PORT_ENV, control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
     tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
-    client = make_client(traced=tracer_provider is not None)
+    # 2.7 s to import the SDK: only the worker pays it, not runs/steps/cancel. Each provider's
+    # client is made when a run first needs it (a bedrock-only pool needs no Anthropic key).
+    from agentrun.worker.client import Providers
+
+    client = Providers(traced=tracer_provider is not None)
     url = database_url()
     if _using_embedded():
         await check_connect(url)

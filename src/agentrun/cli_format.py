@@ -154,6 +154,7 @@ def describe_run(run: Run, *, full: bool = False) -> str:
         ("model", run.model),
         # Pinned with the run (spec.promptCaching, default on).
         ("caching", "on" if run.agent_spec.get("promptCaching", True) else "off"),
+        ("provider", run.provider),
         ("step", f"{run.next_seq} (max {run.max_steps})"),
         ("attempt", f"{run.attempt} (in a row without a step: {run.stalled_attempts}, "
                     f"max {run.max_attempts})"),

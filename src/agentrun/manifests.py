@@ -78,6 +78,14 @@ BUDGET_MESSAGE = (
 DEFAULT_MAX_STEPS = 50
 DEFAULT_MAX_ATTEMPTS = 8
 
+#: Where the Messages API is served: Anthropic's own API, Amazon Bedrock or Google Vertex AI,
+#: each through the SDK's own client. The worker takes the provider's settings and credentials
+#: from its own environment and pod identity (docs/worker.md, "Providers"), never from a spec.
+Provider = Literal["anthropic", "bedrock", "vertex"]
+PROVIDERS: tuple[Provider, ...] = ("anthropic", "bedrock", "vertex")
+DEFAULT_PROVIDER: Provider = "anthropic"
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
@@ -133,7 +141,20 @@ class AgentSpec(_Spec):
     """What an agent sends besides its conversation. Pinned into every run created from it."""
 
     model: str = Field(
-        min_length=1, max_length=MAX_NAME, description="Model id, pinned into every run."
+        min_length=1,
+        max_length=MAX_NAME,
+        description="Model id, pinned into every run, in the provider's form: "
+        "claude-sonnet-4-5 (anthropic), anthropic.claude-sonnet-4-5-20250929-v1:0 or an "
+        "inference profile such as us.anthropic.claude-sonnet-4-5-20250929-v1:0 (bedrock), "
+        "claude-sonnet-4-5@20250929 (vertex).",
+    )
+    provider: Provider = Field(
+        DEFAULT_PROVIDER,
+        description="Where the model is called: anthropic (the Anthropic API, key from the "
+        "worker's ANTHROPIC_API_KEY), bedrock (Amazon Bedrock: AWS_REGION and the pod's AWS "
+        "identity) or vertex (Google Vertex AI: CLOUD_ML_REGION, ANTHROPIC_VERTEX_PROJECT_ID "
+        "and the pod's Google identity). Settings and credentials come from the worker pool's "
+        "environment, never from this spec. Pinned into every run.",
     )
     system: str = Field(
         "", max_length=MAX_TEXT, description="System prompt, pinned into every run."

@@ -421,6 +421,12 @@ class Run:
     def finished(self) -> bool:
         return self.status in TERMINAL_STATUSES
 
+    @property
+    def provider(self) -> str:
+        """Where the run's model is called (the pinned spec.provider; runs pinned before
+        providers existed have none, and called the Anthropic API)."""
+        return str(self.agent_spec.get("provider") or "anthropic")
+
 
 @dataclass(frozen=True)
 class Handover:

@@ -25,6 +25,21 @@
 {{- printf "%s-worker" (include "agentrun.fullname" .) -}}
 {{- end -}}
 
+{{/* The ServiceAccount a pool's pods run as (input: the pool's effective settings and root):
+     serviceAccount.name (one you made), else one of the pool's own when it carries annotations
+     (pod identity: IRSA's eks.amazonaws.com/role-arn, GKE's iam.gke.io/gcp-service-account),
+     else the workers' shared one. */}}
+{{- define "agentrun.poolSAName" -}}
+{{- $sa := default dict .pool.serviceAccount -}}
+{{- if $sa.name -}}
+{{- $sa.name -}}
+{{- else if $sa.annotations -}}
+{{- .pool.deployment -}}
+{{- else -}}
+{{- include "agentrun.workerSAName" .root -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "agentrun.postgresqlName" -}}
 {{- printf "%s-postgresql" (include "agentrun.fullname" .) -}}
 {{- end -}}

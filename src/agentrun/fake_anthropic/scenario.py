@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrun.errors import ConfigError
+from agentrun.fake_anthropic.platforms import BedrockAuth, VertexAuth
 
 DEFAULT_SECRET = "agentrun-fake-anthropic-default-secret"
 
@@ -198,6 +199,8 @@ class Scenario(_Strict):
     secret: str = DEFAULT_SECRET
     models: list[str] | None = None  # None: any model exists
     api_key: str | None = None  # None: any x-api-key is accepted
+    bedrock: BedrockAuth | None = None  # None: any SigV4 signature scoped to bedrock
+    vertex: VertexAuth | None = None  # None: any bearer token; the token endpoint grants any
     delay_ms: int = Field(default=0, ge=0)
     stream_delay_ms: int = Field(default=0, ge=0)
     record_bodies: bool = False  # keep each request's raw body in the request log (as `body`)

@@ -28,6 +28,8 @@ from typing import Any, Self
 
 from aiohttp import web
 
+from agentrun.fake_anthropic import platforms
+from agentrun.fake_anthropic.platforms import PlatformError, TokenIssuer, VertexAuth
 from agentrun.fake_anthropic.scenario import (
     Fault,
     Scenario,
@@ -73,6 +75,8 @@ class ServerState:
         self.fault_counters: dict[tuple[str, int], int] = {}
 
         self.cache = PromptCache()
+        # Kept across a reset: a client holding a token it was issued must still be let in.
+        self.tokens = TokenIssuer()
 
     def reset(self) -> None:
         self.log.clear()
@@ -349,13 +353,26 @@ def _request_id() -> str:
     return "req_fake_" + secrets.token_hex(12)
 
 
-def _error_response(err: ApiError, request_id: str) -> web.Response:
+def _error_response(
+    err: ApiError | PlatformError, request_id: str, platform: str = "anthropic"
+) -> web.Response:
+    """The error in the shape of the one who answers: Bedrock answers every error itself
+    (``{"message"}``, x-amzn-ErrorType); on Vertex the platform's own refusals are Google's
+    (``{"error": {"code", "message", "status"}}``) and the model's are the first-party API's."""
+    extra = dict(err.headers) if isinstance(err, ApiError) else {}
+    headers = {"request-id": request_id, **extra}
+    if platform == "bedrock":
+        payload, amz = platforms.bedrock_error(err.status, err.message)
+        return web.json_response(payload, status=err.status,
+                                 headers={**headers, **amz, "x-amzn-RequestId": request_id})
+    if isinstance(err, PlatformError):
+        return web.json_response(platforms.vertex_error(err.status, err.message),
+                                 status=err.status, headers=headers)
     payload = {
         "type": "error",
         "error": {"type": err.error_type, "message": err.message},
         "request_id": request_id,
     }
-    headers = {"request-id": request_id, **err.headers}
     return web.json_response(payload, status=err.status, headers=headers)
 
 
@@ -401,22 +418,121 @@ class _Handlers:
         self.state = state
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/messages: the first-party API."""
+        return await self._answer(request, "anthropic")
+
+    async def bedrock(self, request: web.Request) -> web.StreamResponse:
+        """POST /model/{modelId}/invoke and /invoke-with-response-stream: Amazon Bedrock."""
+        stream = request.match_info["action"] == "invoke-with-response-stream"
+        return await self._answer(request, "bedrock", request.match_info["model"], stream)
+
+    async def vertex(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/projects/{p}/locations/{r}/publishers/anthropic/models/{model}:rawPredict
+        and :streamRawPredict: Google Vertex AI."""
+        model, _, specifier = request.match_info["tail"].rpartition(":")
+        if not model or specifier not in ("rawPredict", "streamRawPredict"):
+            return await self.not_found(request)
+        return await self._answer(request, "vertex", model, specifier == "streamRawPredict")
+
+    def _metadata_flavor(self, request: web.Request) -> web.Response | None:
+        if request.headers.get("Metadata-Flavor") != "Google":
+            return web.Response(status=403, text="Missing Metadata-Flavor:Google header.")
+        return None
+
+    async def metadata_ping(self, request: web.Request) -> web.Response:
+        """GET /: the metadata server's ping (google-auth's "am I on GCE/GKE?")."""
+        refused = self._metadata_flavor(request)
+        return refused or web.Response(text="ok", headers={"Metadata-Flavor": "Google"})
+
+    async def metadata(self, request: web.Request) -> web.Response:
+        """GET /computeMetadata/v1/...: what google-auth's compute_engine credentials read,
+        the GKE metadata server's answers for a pod with workload identity."""
+        refused = self._metadata_flavor(request)
+        if refused is not None:
+            return refused
+        auth = self.state.scenario.vertex
+        sa = auth.service_account if auth is not None else VertexAuth().service_account
+        path = request.match_info["path"].rstrip("/")
+        flavor = {"Metadata-Flavor": "Google"}
+        if path == "project/project-id":
+            project = (auth.project if auth is not None else None) or "fake-project"
+            return web.Response(text=project, headers=flavor)
+        if path == "universe/universe-domain":
+            return web.Response(text="googleapis.com", headers=flavor)
+        account = path.removeprefix("instance/service-accounts/")
+        name, _, leaf = account.partition("/")
+        if account != path and name in ("default", sa):
+            if leaf == "":
+                info = {"aliases": ["default"], "email": sa,
+                        "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
+                return web.json_response(info, headers=flavor)
+            if leaf == "token":  # counted in state.tokens, not in the Messages request log
+                return web.json_response(self.state.tokens.issue(auth), headers=flavor)
+            if leaf == "email":
+                return web.Response(text=sa, headers=flavor)
+        return web.Response(status=404, text=f"no metadata {path}", headers=flavor)
+
+    def _authenticate(
+        self, request: web.Request, platform: str, data: bytes
+    ) -> dict[str, str]:
+        """The platform's own authentication; what the request log shows of it."""
+        scenario = self.state.scenario
+        if platform == "anthropic":
+            _check_api_key(scenario, request)
+            return {}
+        if platform == "bedrock":
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            return platforms.check_sigv4(
+                scenario.bedrock, request.method, request.raw_path, headers, data
+            )
+        seen = self.state.tokens.check(scenario.vertex, request.headers.get("authorization", ""))
+        auth = scenario.vertex
+        project, region = request.match_info["project"], request.match_info["region"]
+        if auth is not None and auth.project is not None and project != auth.project:
+            raise PlatformError(403, f"Permission denied on project {project!r}")
+        if auth is not None and auth.region is not None and region != auth.region:
+            raise PlatformError(404, f"location {region!r} is not served here")
+        return {**seen, "project": project, "region": region}
+
+    def _body(self, platform: str, data: bytes, model: str | None, stream: bool | None,
+              entry: dict[str, Any]) -> dict[str, Any]:
+        try:
+            raw = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        if platform == "anthropic" or model is None:
+            return _validate_body(raw)
+        entry["anthropic_version"] = raw.get("anthropic_version") if isinstance(raw, dict) else None
+        body = platforms.first_party_body(raw, model)
+        if platform == "bedrock":
+            if "stream" in body:  # the path says it; Bedrock refuses the key
+                raise PlatformError(400, "extraneous key [stream] is not permitted")
+            body["stream"] = stream
+        elif bool(body.get("stream")) != stream:
+            raise PlatformError(400, f"stream must be {str(stream).lower()} for "
+                                     f"{'streamRawPredict' if stream else 'rawPredict'}")
+        return _validate_body(body)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        platform: str,
+        model: str | None = None,
+        stream: bool | None = None,
+    ) -> web.StreamResponse:
         scenario = self.state.scenario
         request_id = _request_id()
-        entry: dict[str, Any] = {"request_id": request_id, "path": request.path}
+        entry: dict[str, Any] = {"request_id": request_id, "path": request.path,
+                                 "provider": platform}
         self.state.log.append(entry)
         try:
-            _check_api_key(scenario, request)
             data = await request.read()
+            entry.update(self._authenticate(request, platform, data))
             if scenario.record_bodies:
                 # The bytes as sent: a test can check that a resumed client sends exactly what
                 # the first one did (the prompt cache keys on the bytes, not on their meaning).
                 entry["body"] = data.decode("utf-8", errors="replace")
-            try:
-                raw = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError(400, "request body is not valid JSON") from None
-            body = _validate_body(raw)
+            body = self._body(platform, data, model, stream, entry)
             entry.update(
                 model=body["model"],
                 # The text, also of a list of blocks (one with cache_control, say).
@@ -452,10 +568,10 @@ class _Handlers:
             usage = self.state.cache.account(body)
             message = build_message(scenario, script, turn_index, body, usage)
             entry["usage"] = dict(message["usage"])
-        except ApiError as err:
+        except (ApiError, PlatformError) as err:
             entry.update(status=err.status, error=err.message, completed=True)
-            log.info("%s %s -> %d %s", request.method, request.path, err.status, err.error_type)
-            return _error_response(err, request_id)
+            log.info("%s %s -> %d", request.method, request.path, err.status)
+            return _error_response(err, request_id, platform)
         entry["status"] = 200
         log.info(
             "%s %s script=%s turn=%d stream=%s -> 200",
@@ -471,7 +587,8 @@ class _Handlers:
         stream_delay = turn.stream_delay_ms
         if stream_delay is None:
             stream_delay = scenario.stream_delay_ms
-        return await _stream(request, request_id, message, stream_delay / 1000, entry, fault)
+        return await _stream(request, request_id, message, stream_delay / 1000, entry, fault,
+                             bedrock=platform == "bedrock")
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         request_id = _request_id()
@@ -517,12 +634,16 @@ async def _stream(
     delay: float,
     entry: dict[str, Any],
     fault: Fault | None = None,
+    *,
+    bedrock: bool = False,
 ) -> web.StreamResponse:
     """Write the events with ``delay`` seconds between them; a vanished client is not an error.
-    A stream ``fault`` cuts the answer after its first events and goes wrong as it says."""
+    A stream ``fault`` cuts the answer after its first events and goes wrong as it says.
+    ``bedrock``: as AWS event-stream frames instead of server-sent events."""
     response = web.StreamResponse(
         headers={
-            "content-type": "text/event-stream",
+            "content-type": "application/vnd.amazon.eventstream" if bedrock
+            else "text/event-stream",
             "cache-control": "no-cache",
             "request-id": request_id,
         }
@@ -535,11 +656,14 @@ async def _stream(
         # A client killed before the headers went out (a SIGKILLed worker) is a disconnect too.
         await response.prepare(request)
         for n, (name, data) in enumerate(events):
-            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+            if bedrock:
+                await response.write(platforms.chunk_frame(data))
+            else:
+                await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
             if delay and (n < len(events) - 1 or fault is not None):
                 await asyncio.sleep(delay)
         if fault is not None:
-            await _go_wrong(response, fault, request_id)
+            await (_go_wrong_bedrock if bedrock else _go_wrong)(response, fault, request_id)
         await response.write_eof()
     except ConnectionError:
         log.info("client went away mid-stream (%s)", request_id)
@@ -575,12 +699,37 @@ async def _go_wrong(response: web.StreamResponse, fault: Fault, request_id: str)
         )
 
 
+async def _go_wrong_bedrock(response: web.StreamResponse, fault: Fault, request_id: str) -> None:
+    """:func:`_go_wrong` in event-stream frames: an ``exception`` frame, pings, bytes that are
+    no frame, a frame cut short."""
+    if fault.stream == "error":
+        await response.write(platforms.exception_frame(fault.error_type, fault.error_message))
+    elif fault.stream == "pings":
+        while True:
+            await response.write(platforms.chunk_frame({"type": "ping"}))
+            await asyncio.sleep(fault.interval_ms / 1000)
+    elif fault.stream == "garbage":
+        await response.write(b"%%% these bytes are not an AWS event-stream frame %%%")
+    elif fault.stream == "truncated":
+        frame = platforms.chunk_frame({"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": "cut"}})
+        await response.write(frame[: len(frame) // 2])
+
+
 def build_app(state: ServerState) -> web.Application:
     handlers = _Handlers(state)
     # Long agent histories exceed aiohttp's 1 MiB default; the real API takes 32 MB requests.
     app = web.Application(client_max_size=MAX_REQUEST_BYTES)
     app.router.add_post("/v1/messages", handlers.messages)
     app.router.add_post("/v1/messages/count_tokens", handlers.count_tokens)
+    app.router.add_post(r"/model/{model}/{action:invoke|invoke-with-response-stream}",
+                        handlers.bedrock)
+    app.router.add_post(
+        "/v1/projects/{project}/locations/{region}/publishers/anthropic/models/{tail}",
+        handlers.vertex,
+    )
+    app.router.add_get("/", handlers.metadata_ping)
+    app.router.add_get("/computeMetadata/v1/{path:.*}", handlers.metadata)
     app.router.add_get("/_fake/requests", handlers.requests_log)
     app.router.add_post("/_fake/reset", handlers.reset)
     app.router.add_route("*", "/{tail:.*}", handlers.not_found)
