@@ -30,6 +30,7 @@ INLINE_VALUES: dict[str, Any] = {
     "requireApproval": False,
     "promptCaching": True,
     "budget": {"maxTokens": 100000, "maxCostUSD": 2.5},
+    "provider": "bedrock",
 }
 
 
@@ -123,6 +124,13 @@ def test_spending_limits_out_of_range_are_refused(kube: Kube) -> None:
     refused(kube, agent_manifest("a1", budget={"maxCostUSD": -1}), "spec.budget.maxCostUSD")
     accepted(kube, agentrun_manifest("r4", budget={"maxCostUSD": 0.01, "maxTokens": 1}))
     accepted(kube, agent_manifest("a2", budget={"maxCostUSD": 1e6}))
+
+
+def test_a_provider_outside_the_enum_is_refused(kube: Kube) -> None:
+    refused(kube, agent_manifest("a1", provider="openai"), "spec.provider")
+    refused(kube, agentrun_manifest("r1", agent=inline_agent(provider="azure")),
+            "spec.agent.provider")
+    accepted(kube, agent_manifest("a2", provider="vertex", model="claude-sonnet-4-5@20250929"))
 
 
 # -- pools: DNS labels of 1 to 63 characters ---------------------------------------------------
