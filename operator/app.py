@@ -27,7 +27,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import kopf
@@ -38,22 +38,23 @@ from kubernetes.client.exceptions import ApiException
 from agentrun.config import redact_message, redact_url
 from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.migrations import latest_version, migrate, schema_version
+from agentrun.operator.api import Reason
 from agentrun.operator.autoscaler import Autoscaler
 from agentrun.operator.health import Readiness, serve
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.mirror import StatusMirror, Tracked
 from agentrun.operator.settings import OperatorSettings
-from agentrun.operator.status import Event, Reason, one_line
+from agentrun.operator.status import Event, one_line
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_READY,
-    TERMINAL_STATUSES,
     ConnectOptions,
     Run,
     Store,
     connect,
 )
+from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -449,3 +450,20 @@ class OperatorApp:
 def _one_line_error(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+#: Where the running :class:`OperatorApp` is kept in kopf's memo (operator/handlers.py: the
+#: startup handler puts it there, and kopf hands the memo to every handler).
+APP = "agentrun_app"
+
+
+_T = TypeVar("_T")
+
+
+def memo_get(memo: kopf.Memo, key: str, kind: type[_T]) -> _T:
+    """What the startup handler kept in kopf's ``memo`` under ``key``, as a ``kind`` (kopf's
+    memo holds anything: this is where its values get their type back)."""
+    value = memo.get(key)
+    if not isinstance(value, kind):  # only before the startup handler ran, which kopf prevents
+        raise LookupError(f"kopf's memo has no {kind.__name__} under {key!r}")
+    return value

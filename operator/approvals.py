@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from uuid import UUID
 
@@ -46,19 +47,24 @@ from pydantic import ValidationError
 from agentrun.errors import AgentrunError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRunApprovalSpec
-from agentrun.operator.app import DB_ERRORS, OperatorApp, backoff
-from agentrun.operator.crds import GROUP, VERSION, AgentRunApprovalStatus
+from agentrun.operator.api import (
+    APPROVALS,
+    GROUP,
+    VERSION,
+    AgentRunApprovalStatus,
+    ApprovalPhase,
+    CondType,
+    Reason,
+)
+from agentrun.operator.app import APP, DB_ERRORS, OperatorApp, backoff, memo_get
 from agentrun.operator.kube import Gone, NotFound
-from agentrun.operator.status import Cond, Event, Reason, now_iso, one_line, set_condition
+from agentrun.operator.status import Cond, Event, now_iso, one_line, set_condition
 from agentrun.store import Approval, Store
 
 log = logging.getLogger(__name__)
 
-APPROVALS = (GROUP, VERSION, "agentrunapprovals")
-#: The condition an approval carries: True once its decision is recorded.
-APPLIED = "Applied"
 #: Phases after which the operator leaves an approval alone.
-DONE_PHASES = ("Applied", "Refused")
+DONE_PHASES = (ApprovalPhase.APPLIED, ApprovalPhase.REFUSED)
 #: What is retried (the approval stays Pending meanwhile): an outage, not a refusal.
 RETRIED: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
 DECISIONS: dict[str, Literal["approved", "rejected"]] = {
@@ -81,38 +87,52 @@ class _Refused(Exception):
         self.run_id = run_id
 
 
-def register(registry: kopf.OperatorRegistry, app: Callable[[], OperatorApp]) -> None:
-    """Add the AgentRunApproval handler to ``registry`` (``app``: the running OperatorApp)."""
-    working: dict[str, asyncio.Task[None]] = {}
-    #: Approvals this process finished: the watch may still deliver an older version of one
-    #: (its Pending status, queued before the Applied patch), which must not start it again.
-    finished: set[str] = set()
+#: Where the approval handler's bookkeeping is kept in kopf's memo (put there at startup).
+WORKING = "agentrun_approvals"
 
-    def done(uid: str) -> None:
-        working.pop(uid, None)
-        finished.add(uid)
 
-    @kopf.on.event(*APPROVALS, registry=registry, id="approval")
-    async def approval(
-        event: kopf.RawEvent, body: kopf.Body, status: kopf.Status, namespace: str | None,
-        name: str, uid: str, **_: Any,
-    ) -> None:
-        if event.get("type") == "DELETED":
-            finished.discard(uid)
-            task = working.pop(uid, None)
-            if task is not None:
-                task.cancel()
-            return
-        if status.get("phase") in DONE_PHASES or uid in working or uid in finished:
-            return
-        working[uid] = asyncio.create_task(
-            _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
-                   dict(status), lambda: done(uid)),
-            name=f"approval-{uid}")
+@dataclass
+class Working:
+    """The approvals being applied, one task each; and the approvals this process finished:
+    the watch may still deliver an older version of one (its Pending status, queued before the
+    Applied patch), which must not start it again."""
+
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+
+    def done(self, uid: str) -> None:
+        self.tasks.pop(uid, None)
+        self.finished.add(uid)
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Add the AgentRunApproval handler to ``registry`` (the running OperatorApp and a
+    :class:`Working` are in kopf's memo by the time it runs)."""
+    kopf.on.event(*APPROVALS, registry=registry, id="approval")(approval)
+
+
+async def approval(
+    event: kopf.RawEvent, body: kopf.Body, status: kopf.Status, namespace: str | None,
+    name: str, uid: str, memo: kopf.Memo, **_: Any,
+) -> None:
+    working = memo_get(memo, WORKING, Working)
+    if event.get("type") == "DELETED":
+        working.finished.discard(uid)
+        task = working.tasks.pop(uid, None)
+        if task is not None:
+            task.cancel()
+        return
+    if status.get("phase") in DONE_PHASES or uid in working.tasks or uid in working.finished:
+        return
+    app = memo_get(memo, APP, OperatorApp)
+    working.tasks[uid] = asyncio.create_task(
+        _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
+               dict(status), lambda: working.done(uid)),
+        name=f"approval-{uid}")
 
 
 async def _apply(
-    app: Callable[[], OperatorApp], namespace: str, name: str, uid: str, raw: dict[str, Any],
+    app: OperatorApp, namespace: str, name: str, uid: str, raw: dict[str, Any],
     status: dict[str, Any], done: Callable[[], object],
 ) -> None:
     """Act on one approval, retrying until it is Applied or Refused (or deleted)."""
@@ -122,7 +142,7 @@ async def _apply(
     try:
         while True:
             try:
-                await _decide(app(), namespace, name, uid, raw, status)
+                await _decide(app, namespace, name, uid, raw, status)
                 return
             except asyncio.CancelledError:
                 raise
@@ -134,10 +154,11 @@ async def _apply(
                     waiting_said = True
                     log.warning("AgentRunApproval %s/%s: not applied yet (%s); retrying",
                                 namespace, name, why)
-                    pending = _status(status, "Pending", f"not applied yet: {why}", None,
-                                      Cond(APPLIED, False, Reason.APPROVAL_PENDING, why))
+                    pending = _status(
+                        status, ApprovalPhase.PENDING, f"not applied yet: {why}", None,
+                        Cond(CondType.APPLIED, False, Reason.APPROVAL_PENDING, why))
                     try:
-                        await app().kube.patch_approval_status(namespace, name, uid, pending)
+                        await app.kube.patch_approval_status(namespace, name, uid, pending)
                         status = pending
                     except Exception as patch_exc:  # the API server may be what is down
                         log.warning("AgentRunApproval %s/%s: could not set Pending: %s",
@@ -147,7 +168,7 @@ async def _apply(
     except Exception:
         log.exception("AgentRunApproval %s/%s: failed; the next operator start retries it",
                       namespace, name)
-        await _post(app(), me, Event("Warning", Reason.APPROVAL_REFUSED,
+        await _post(app, me, Event("Warning", Reason.APPROVAL_REFUSED,
                                      "the operator failed on this approval; see its log"), None)
     finally:
         done()
@@ -192,9 +213,9 @@ async def _decide(
                 call = {"tool": str(pending.get("tool")), "index": int(pending["call_index"]),
                         "stage": str(pending["stage"]),
                         "attempt": int(pending.get("attempt") or 1)}
-                status = _status(status, "Pending", "recording the decision", run_id,
-                                 Cond(APPLIED, False, Reason.APPROVAL_PENDING, "recording"),
-                                 call=call)
+                status = _status(
+                    status, ApprovalPhase.PENDING, "recording the decision", run_id,
+                    Cond(CondType.APPLIED, False, Reason.APPROVAL_PENDING, "recording"), call=call)
                 await app.kube.patch_approval_status(namespace, name, uid, status)
             try:
                 await store.decide(run.id, spec.seq, decision, decided_by=spec.approver,
@@ -214,8 +235,8 @@ async def _decide(
         # else: this approval's own decision, recorded before an operator restart.
     except _Refused as refused:
         why = one_line(str(refused), 900)
-        new = _status(status, "Refused", why, refused.run_id,
-                      Cond(APPLIED, False, Reason.APPROVAL_REFUSED, why))
+        new = _status(status, ApprovalPhase.REFUSED, why, refused.run_id,
+                      Cond(CondType.APPLIED, False, Reason.APPROVAL_REFUSED, why))
         await app.kube.patch_approval_status(namespace, name, uid, new)
         log.warning("AgentRunApproval %s/%s by %s refused: %s", namespace, name,
                     raw.get("approver"), why, extra={"run_id": str(refused.run_id)})
@@ -230,8 +251,9 @@ async def _decide(
     tool = (call or {}).get("tool") or "?"
     said = one_line(f"step {spec.seq} ({tool}) {decision} by {spec.approver}"
                     + (f": {spec.reason}" if spec.reason else ""), 1000)
-    new = _status(status, "Applied", said, run_id,
-                  Cond(APPLIED, True, Reason.APPROVAL_APPLIED, said), decided=True, call=call)
+    new = _status(status, ApprovalPhase.APPLIED, said, run_id,
+                  Cond(CondType.APPLIED, True, Reason.APPROVAL_APPLIED, said), decided=True,
+                  call=call)
     await app.kube.patch_approval_status(namespace, name, uid, new)
     reason = Reason.APPROVED if decision == "approved" else Reason.REJECTED
     log.info("AgentRunApproval %s/%s applied: %s", namespace, name, said,

@@ -1,5 +1,5 @@
 """The AgentRun, Agent and AgentRunApproval CRDs, generated from the pydantic models in
-agentrun.manifests.
+agentrun.manifests (the specs) and agentrun.operator.api (the statuses).
 
 The models are the one definition of the fields: ``agentrun submit -f`` validates with them, and
 the CRDs' OpenAPI schemas are generated from them here, then checked in under ``crds/`` (a test
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from agentrun.manifests import (
     BUDGET_MESSAGE,
@@ -38,182 +37,18 @@ from agentrun.manifests import (
     AgentSpec,
     inline_fields,
 )
+from agentrun.operator.api import (
+    AGENTRUNS_PLURAL,
+    AGENTS_PLURAL,
+    APPROVALS_PLURAL,
+    GROUP,
+    VERSION,
+    AgentRunApprovalStatus,
+    AgentRunStatus,
+)
 
-GROUP = "agentrun.dev"
-VERSION = "v1alpha1"
 #: `kubectl get agentrun-all` lists both kinds.
 CATEGORY = "agentrun-all"
-
-
-#: Status strings: the operator truncates what it writes (operator/status.py: 1 KiB for result and
-#: error, 80 to 300 characters for one-line texts); these bounds sit well above that, and above
-#: any id or name it copies (a worker id is a hostname plus a pid), so a status never fails on
-#: them, while a hand-written status cannot grow without end.
-STATUS_TEXT = 4096
-STATUS_LINE = 1024
-
-
-def _text(limit: int, description: str | None = None, alias: str | None = None) -> Any:
-    return Field(None, alias=alias, max_length=limit, description=description)
-
-
-class PendingApproval(BaseModel):
-    seq: int = Field(description="Step of the tool call waiting for a decision.")
-    tool: str = Field(max_length=STATUS_LINE, description="The tool it would call.")
-    arguments: str = Field(max_length=STATUS_LINE, description="Its arguments, summarised.")
-    reason: str = Field(
-        max_length=STATUS_LINE,
-        description="Why it waits (approval required, or outcome unknown).",
-    )
-    attempt: int | None = Field(
-        None,
-        description="For an outcome-unknown wait, the execution attempt the decision is about: "
-        "one decision buys one more attempt, so a call whose approved re-run also died waits "
-        "again on the same seq with the next attempt.",
-    )
-
-
-class Condition(BaseModel):
-    """A standard Kubernetes condition: metav1.Condition's fields, bounds and patterns."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    type: str = Field(
-        max_length=316,
-        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-        r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
-        description="Type of condition in CamelCase.",
-    )
-    status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]})
-    observed_generation: int | None = Field(
-        None,
-        alias="observedGeneration",
-        ge=0,
-        description="The .metadata.generation the condition was set for.",
-    )
-    last_transition_time: str = Field(
-        alias="lastTransitionTime",
-        json_schema_extra={"format": "date-time"},
-        description="When the condition last changed from one status to another.",
-    )
-    reason: str = Field(
-        min_length=1,
-        max_length=1024,
-        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
-        description="Why, in CamelCase, for machines.",
-    )
-    message: str = Field(max_length=32768, description="Why, for humans; may be empty.")
-
-
-class TokenUsage(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    input: int = 0
-    output: int = 0
-    cache_read: int = Field(0, alias="cacheRead", description="Prompt-cache tokens read.")
-    cache_write: int = Field(0, alias="cacheWrite", description="Prompt-cache tokens written.")
-
-
-class AgentRunStatus(BaseModel):
-    """Mirrored from the run store by the operator; never written by users."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    run_id: str | None = _text(STATUS_LINE, "The run's id in the store.", alias="runId")
-    phase: str | None = Field(
-        None,
-        description="pending, running, waiting_approval, succeeded, failed, cancelled, "
-        "dead_letter.",
-        json_schema_extra={
-            "enum": [
-                "pending",
-                "running",
-                "waiting_approval",
-                "succeeded",
-                "failed",
-                "cancelled",
-                "dead_letter",
-            ]
-        },
-    )
-    step: int | None = Field(None, description="Steps committed so far.")
-    attempt: int | None = Field(None, description="Claims so far.")
-    worker: str | None = _text(STATUS_LINE, "The worker holding the run.")
-    model: str | None = _text(STATUS_LINE, "The pinned model.")
-    provider: str | None = _text(
-        STATUS_LINE, "Where the model is called: anthropic, bedrock or vertex (pinned)."
-    )
-    prompt_version: str | None = _text(STATUS_LINE, alias="promptVersion")
-    tokens: TokenUsage | None = None
-    cost_usd: float | None = Field(
-        None,
-        alias="costUSD",
-        description="Estimated US dollars spent, each model turn priced by the worker that ran "
-        "it.",
-    )
-    result: str | None = _text(STATUS_TEXT, "The final answer, truncated.")
-    error: str | None = _text(STATUS_TEXT)
-    message: str | None = _text(STATUS_LINE, "One line for kubectl get.")
-    pending_approval: PendingApproval | None = Field(None, alias="pendingApproval")
-    started_at: str | None = _text(64, alias="startedAt")
-    finished_at: str | None = _text(64, alias="finishedAt")
-    observed_generation: int | None = Field(None, alias="observedGeneration")
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        max_length=32,
-        # A map keyed by type, as metav1.Conditions are: one condition per type, and a
-        # server-side apply merges conditions by type instead of replacing the list.
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
-
-
-#: An AgentRunApproval's phase: Pending until the operator acted on it, then Applied (the
-#: decision is recorded in the store) or Refused (it was not: .status.message says why).
-APPROVAL_PHASES: list[JsonValue] = ["Pending", "Applied", "Refused"]
-
-
-class ApprovalCall(BaseModel):
-    """Which call of the step the decision is about, as the run's pending call named it."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    tool: str = Field(max_length=STATUS_LINE, description="The tool it would call.")
-    index: int = Field(ge=0, description="Its index among the step's tool calls.")
-    stage: str = Field(
-        description="before_call, or outcome_unknown (its worker died mid-call).",
-        json_schema_extra={"enum": ["before_call", "outcome_unknown"]},
-    )
-    attempt: int = Field(ge=1, description="The execution attempt the decision authorises.")
-
-
-class AgentRunApprovalStatus(BaseModel):
-    """Written by the operator once it acted on the approval; never written by users."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    phase: str | None = Field(
-        None,
-        description="Pending (not acted on yet), Applied (the decision is recorded and the run "
-        "resumes), Refused (not recorded: message says why).",
-        json_schema_extra={"enum": APPROVAL_PHASES},
-    )
-    message: str | None = _text(STATUS_LINE, "One line: what was done, or why not.")
-    run_id: str | None = _text(STATUS_LINE, "The run decided on (its id in the store).",
-                               alias="runId")
-    decided_at: str | None = _text(64, "When the decision was recorded.", alias="decidedAt")
-    call: ApprovalCall | None = Field(
-        None,
-        description="The call decided. Written before the decision is recorded, so an operator "
-        "restarted in between can tell whether it was.",
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        max_length=8,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
-
 
 _DROP = {"title", "additionalProperties", "$defs"}
 
@@ -334,7 +169,7 @@ def agentrun_crd() -> dict[str, Any]:
         ("Worker", "string", ".status.worker", 1),
         ("Cost", "number", ".status.costUSD", 1),
     ]
-    return _crd("AgentRun", "agentruns", ["ar"], _object_schema(spec, status), columns, True)
+    return _crd("AgentRun", AGENTRUNS_PLURAL, ["ar"], _object_schema(spec, status), columns, True)
 
 
 def agent_crd() -> dict[str, Any]:
@@ -347,7 +182,7 @@ def agent_crd() -> dict[str, Any]:
         ("Pool", "string", ".spec.pool", 0),
         ("Age", "date", ".metadata.creationTimestamp", 0),
     ]
-    return _crd("Agent", "agents", [], _object_schema(spec, None), columns, False)
+    return _crd("Agent", AGENTS_PLURAL, [], _object_schema(spec, None), columns, False)
 
 
 def approval_crd() -> dict[str, Any]:
@@ -373,7 +208,7 @@ def approval_crd() -> dict[str, Any]:
         ("Age", "date", ".metadata.creationTimestamp", 0),
         ("Message", "string", ".status.message", 1),
     ]
-    return _crd("AgentRunApproval", "agentrunapprovals", ["arapproval", "ara"],
+    return _crd("AgentRunApproval", APPROVALS_PLURAL, ["arapproval", "ara"],
                 _object_schema(spec, status), columns, True)
 
 

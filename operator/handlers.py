@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -42,25 +43,36 @@ from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRef, AgentRunSpec, AgentSpec
 from agentrun.operator import approvals
-from agentrun.operator.app import DB_ERRORS, OperatorApp
-from agentrun.operator.crds import GROUP, VERSION
+from agentrun.operator.api import (
+    ACTIONS,
+    AGENTRUNS,
+    AGENTS,
+    APPROVE,
+    CANCEL,
+    GROUP,
+    RETRY,
+    VERSION,
+    CondType,
+    Reason,
+)
+from agentrun.operator.app import APP, DB_ERRORS, OperatorApp, memo_get
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
 from agentrun.operator.status import (
     Cond,
-    CondType,
     Event,
-    Reason,
     db_condition,
     not_ready,
     one_line,
     set_condition,
     status_for,
 )
-from agentrun.store import TERMINAL_STATUSES, K8sRef, Store
+from agentrun.store import K8sRef, Store
+from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
+
 
 async def _check_pool(
     op: OperatorApp,
@@ -124,17 +136,11 @@ async def _check_tools(
         1000)), run_id=None)
 
 
-AGENTRUNS = (GROUP, VERSION, "agentruns")
-AGENTS = (GROUP, VERSION, "agents")
-CANCEL = "agentrun.dev/cancel"
-APPROVE = "agentrun.dev/approve"
-REJECT = "agentrun.dev/reject"
-RETRY = "agentrun.dev/retry"
-ACTIONS = (CANCEL, APPROVE, REJECT, RETRY)
-
 #: Put on AgentRuns by versions before 0.2; kopf removes it now that no handler needs it.
 FINALIZER = "agentrun.dev/finalizer"
 DB_RETRY_DELAY = 5.0
+#: Where the TTL handler's bookkeeping is kept in kopf's memo.
+EXPIRIES = "agentrun_expiries"
 #: Why an approve/reject annotation is refused when the chart turns them off.
 ANNOTATIONS_OFF = "approve by annotation is disabled; create an AgentRunApproval"
 #: How a retry while the Agent does not exist starts; its kopf log line is filtered out (we log
@@ -176,327 +182,365 @@ def ttl_due(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
     )
 
 
+@dataclass
+class Expiries:
+    """The TTL handler's bookkeeping (see :func:`ttl`): one task per object waiting for its
+    expiry, and the objects being deleted by one (their DELETED event must not cancel it)."""
+
+    expiring: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    deleting: set[str] = field(default_factory=set)
+
+
+def _app(memo: kopf.Memo) -> OperatorApp:
+    return memo_get(memo, APP, OperatorApp)
+
+
+def _expiries(memo: kopf.Memo) -> Expiries:
+    return memo_get(memo, EXPIRIES, Expiries)
+
+
 def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
+    """The operator's handlers on a registry of their own. What they share lives in kopf's
+    ``memo``, which kopf hands to every handler: the startup handler puts the
+    :class:`OperatorApp` (built from ``config``) and the handlers' bookkeeping there, before any
+    object is watched (each object's memo is a shallow copy of that one)."""
     registry = kopf.OperatorRegistry()
-    state: dict[str, OperatorApp] = {}
-
-    def app() -> OperatorApp:
-        return state["app"]
-
-    async def store_or_retry(patch: kopf.Patch, status: dict[str, Any]) -> Store:
-        store = await app().ready_store()
-        if store is None:
-            conditions = set_condition(status.get("conditions"), db_condition(False))
-            patch.status["conditions"] = conditions
-            raise kopf.TemporaryError("database unavailable; retrying", delay=DB_RETRY_DELAY)
-        return store
-
-    @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # A registry of our own gets no default login: the pod's service account when in a
-        # cluster, else $KUBECONFIG, through the official client (as kopf's default does).
-        return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        ks = settings
-        ks.persistence.finalizer = FINALIZER
-        # Keep kopf's bookkeeping in annotations: .status is ours, and the CRD's structural
-        # schema would prune anything else written there.
-        ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix="operator.agentrun.dev"
-        )
-        ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="operator.agentrun.dev",
-            key="last-handled-configuration",
-            # The spec is immutable (CEL) and may be 100s of KB (the task): kopf would copy it
-            # into this annotation, and an annotation over 256 KiB wedges the object.
-            ignored_fields=["spec"],
-        )
-        ks.posting.enabled = False  # Events come from the operator alone (app.event)
-        logging.getLogger("kopf.objects").addFilter(_QuietAgentRetries())
-        metrics = OperatorMetrics()
-        if config.metrics_port is not None:
-            try:
-                metrics.serve(config.metrics_port)
-            except ConfigError as exc:  # taken since `agentrun operator` checked it: exit 2
-                raise kopf.PermanentError(str(exc)) from exc
-        kube = KubeApi.from_environment(on_call=lambda verb: metrics.kube_calls.labels(verb).inc())
-        state["app"] = OperatorApp(config, kube, metrics)
-        await state["app"].start()
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        await start(config, settings, memo)
 
+    kopf.on.login(registry=registry)(login)
     # AgentRunApproval objects (operator/approvals.py): decisions whose approver is vouched for.
-    approvals.register(registry, app)
-
-    @kopf.on.cleanup(registry=registry)
-    async def cleanup(**_: Any) -> None:
-        if "app" in state:
-            await state["app"].stop()
-
-    @kopf.index(*AGENTS, registry=registry, id="agents_by_name")
-    def agents_by_name(
-        namespace: str | None, name: str, spec: kopf.Spec, **_: Any
-    ) -> dict[tuple[str | None, str], dict[str, Any]]:
-        return {(namespace, name): dict(spec)}
-
-    @kopf.on.create(*AGENTRUNS, registry=registry, id="run", backoff=5)
-    async def create_run(
-        spec: kopf.Spec,
-        namespace: str | None,
-        name: str,
-        uid: str,
-        status: kopf.Status,
-        patch: kopf.Patch,
-        meta: kopf.Meta,
-        **kwargs: Any,
-    ) -> None:
-        assert namespace is not None  # AgentRun is namespaced
-        agents: kopf.Index[tuple[str | None, str], dict[str, Any]] = kwargs["agents_by_name"]
-        current = dict(status)
-        generation = meta.get("generation")
-        ref = _ref(namespace, name, uid)
-
-        def refuse(reason: Reason, message: str, why: str) -> None:
-            conditions = set_condition(
-                current.get("conditions"), Cond(CondType.ACCEPTED, False, reason, why), generation
-            )
-            patch.status["conditions"] = set_condition(
-                conditions, not_ready(reason, why), generation
-            )
-            patch.status["message"] = message
-            patch.status["observedGeneration"] = generation
-
-        try:
-            run_spec = AgentRunSpec.model_validate(dict(spec))
-            if isinstance(run_spec.agent, AgentRef):
-                key = (namespace, run_spec.agent.name)
-                found = list(agents.get(key, []))
-                if not found:
-                    why = (
-                        f"spec.agent.name: no Agent {run_spec.agent.name!r} in namespace "
-                        f"{namespace}; create it (kubectl apply -f agent.yaml) and the run "
-                        f"starts within {config.agent_retry_delay:.0f}s"
-                    )
-                    if not _has_reason(current, CondType.ACCEPTED, Reason.AGENT_NOT_FOUND):
-                        # Once per object (and per operator restart it is not repeated: the
-                        # condition is on the object): one Event, and its one WARNING line.
-                        await app().event(
-                            ref, Event("Warning", Reason.AGENT_NOT_FOUND, why), run_id=None
-                        )
-                    refuse(Reason.AGENT_NOT_FOUND, f"Agent {run_spec.agent.name} not found", why)
-                    raise kopf.TemporaryError(
-                        f"{AWAITING_AGENT} {run_spec.agent.name!r}",
-                        delay=config.agent_retry_delay,
-                    )
-                agent = AgentSpec.model_validate(found[0])
-            else:
-                agent = run_spec.agent
-            agent = run_spec.resolved_agent(agent)
-            await _check_pool(app(), run_spec.pool or agent.pool, namespace, current, ref, refuse)
-        except ValidationError as exc:
-            why = _validation_message(exc)
-            refuse(Reason.INVALID_SPEC, "invalid spec", why)
-            await app().event(ref, Event("Warning", Reason.INVALID_SPEC, why), run_id=None)
-            raise kopf.PermanentError(why) from None
-
-        store = await store_or_retry(patch, current)
-        await _check_tools(app(), store, run_spec.pool or agent.pool, agent, current, ref)
-        try:
-            run, created = await store.create_run(
-                run_spec.task,
-                agent,
-                pool=run_spec.pool,
-                max_steps=run_spec.max_steps,
-                max_attempts=run_spec.max_attempts,
-                k8s=K8sRef(namespace, name, uid),
-            )
-        except DB_ERRORS as exc:
-            raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-        # Crash tests kill the operator here: the row exists, kopf has not recorded success.
-        crash_point("operator_after_create_run", 0)
-        new = status_for(run, db_up=True, previous=current, generation=generation)
-        # A merge patch: keys the new status lacks (an earlier "message") are set to null.
-        patch.status.update({**{k: None for k in current}, **new})
-        app().mirror.track(namespace, name, uid, new, generation)
-        log.info(
-            "AgentRun %s/%s: %s run in pool %s",
-            namespace, name, "created" if created else "found the existing", run.pool,
-            extra={"run_id": str(run.id)},
-        )
-        if created:
-            await app().event(
-                ref, Event("Normal", Reason.CREATED, f"run {run.id} in pool {run.pool}"), run.id
-            )
-
-    @kopf.on.resume(*AGENTRUNS, registry=registry, id="track")
-    async def resume(
-        namespace: str | None, name: str, uid: str, status: kopf.Status, meta: kopf.Meta, **_: Any
-    ) -> None:
-        app().mirror.track(namespace or "", name, uid, dict(status), meta.get("generation"))
-
-    @kopf.on.create(*AGENTRUNS, registry=registry, id="actions", when=has_action)
-    @kopf.on.update(*AGENTRUNS, registry=registry, id="actions", when=has_action)
-    @kopf.on.resume(*AGENTRUNS, registry=registry, id="actions", when=has_action)
-    async def actions(
-        annotations: kopf.Annotations,
-        namespace: str | None,
-        name: str,
-        uid: str,
-        status: kopf.Status,
-        patch: kopf.Patch,
-        **_: Any,
-    ) -> None:
-        store = await store_or_retry(patch, dict(status))
-        try:
-            run = await store.get_run_by_k8s_uid(uid)
-        except DB_ERRORS as exc:
-            raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-        if run is None:
-            raise kopf.TemporaryError("the run is not created yet", delay=1)
-        who = f"annotation on AgentRun {namespace}/{name}"
-        ref = _ref(namespace or "", name, uid)
-        for key in ACTIONS:
-            if key not in annotations:
-                continue
-            value = str(annotations[key]).strip()
-            try:
-                if key == CANCEL:
-                    if value.lower() not in ("true", "yes", "1"):
-                        raise ConfigError(f'{key} must be "true", not {value!r}')
-                    now, changed = await store.cancel(run.id, f"cancelled by {who}")
-                    if not changed:
-                        await app().event(ref, Event(
-                            "Normal", Reason.CANCEL_IGNORED, one_line(
-                                f"the run is rolling back ({now.rollback_reason}): a cancel does "
-                                "not interrupt a rollback; it ends once its compensations ran"
-                                if now.rolling_back
-                                else f"the run had already ended ({now.status})", 1000)),
-                            run.id)
-                elif key == RETRY:
-                    reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
-                    now = await store.retry(run.id, reason)  # ConfigError: refused
-                    await app().event(ref, Event(
-                        "Normal", Reason.RETRIED, one_line(
-                            f"retry {now.retries} by {who}: continues from step {now.next_seq} "
-                            f"with a fresh budget of {now.max_attempts} attempts", 1000)),
-                        run.id)
-                else:
-                    if not config.approval_annotations:
-                        raise ConfigError(ANNOTATIONS_OFF)
-                    try:
-                        seq = int(value)
-                    except ValueError:
-                        raise ConfigError(
-                            f"{key} must be the step number the run waits on (see .status."
-                            f"pendingApproval.seq), not {value!r}"
-                        ) from None
-                    decision: Literal["approved", "rejected"] = (
-                        "approved" if key == APPROVE else "rejected"
-                    )
-                    call = await store.decide(run.id, seq, decision, decided_by=who)
-                    await app().event(ref, Event(
-                        "Normal",
-                        Reason.APPROVED if key == APPROVE else Reason.REJECTED,
-                        f"step {seq} ({call.get('tool')}) {decision} by {who}",
-                    ), run.id)
-                log.info("AgentRun %s/%s: %s=%s applied", namespace, name, key, value,
-                         extra={"run_id": str(run.id)})
-            except ConfigError as exc:
-                await app().event(ref, Event(
-                    "Warning", Reason.ACTION_REFUSED, f"{key}={value}: {exc}"), run.id)
-                log.warning("AgentRun %s/%s: %s=%s refused: %s", namespace, name, key, value, exc,
-                            extra={"run_id": str(run.id)})
-            except DB_ERRORS as exc:
-                raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-            # Consumed: the same annotation can be set again for the next decision.
-            patch.metadata.annotations[key] = None
-
-    # spec.ttlSecondsAfterFinished: a raw-event handler, not a kopf timer (a timer makes kopf
-    # put a finalizer on every object, and an AgentRun must never wait for the operator to be
-    # deleted). Every event of a finished object with a TTL (the status mirror's patch that
-    # shows it finished, or the watch's initial listing after an operator restart) makes sure
-    # one task waits for its expiry, then deletes it.
-    expiring: dict[str, asyncio.Task[None]] = {}
-    deleting: set[str] = set()
-
-    async def expire(namespace: str, name: str, uid: str, at: datetime, ttl: int,
-                     run_id: str | None) -> None:
-        try:
-            while True:
-                await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
-                # The store decides, not the mirrored status (it may lag): a run retried since
-                # is live (its next finish schedules a new expiry), one that finished again
-                # counts from its new finish.
-                store = await app().ready_store()
-                if store is None:
-                    raise DatabaseUnavailable("database unavailable")
-                run = await store.get_run_by_k8s_uid(uid)
-                if run is None or not run.finished or run.finished_at is None:
-                    return
-                at = run.finished_at + timedelta(seconds=ttl)
-                if datetime.now(UTC) >= at:
-                    break
-            deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
-            if await app().kube.delete_agentrun(namespace, name, uid):
-                await app().event(_ref(namespace, name, uid), Event(
-                    "Normal", Reason.EXPIRED,
-                    f"deleted {ttl}s after the run finished (spec.ttlSecondsAfterFinished); "
-                    "the run's rows stay in the store"), run_id)
-        except Exception as exc:  # the next event of the object schedules it again
-            log.warning("AgentRun %s/%s: could not delete it after its TTL: %s", namespace,
-                        name, exc, extra={"run_id": str(run_id)})
-        finally:
-            if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
-                del expiring[uid]
-            deleting.discard(uid)
-
-    @kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")
-    async def ttl(
-        event: kopf.RawEvent, spec: kopf.Spec, status: kopf.Status, namespace: str | None,
-        name: str, uid: str, **_: Any,
-    ) -> None:
-        if event.get("type") == "DELETED":
-            if uid not in deleting:  # deleted by someone else while it waited: stop waiting
-                task = expiring.pop(uid, None)
-                if task is not None:
-                    task.cancel()
-            return
-        if not ttl_due(spec, status):
-            task = expiring.pop(uid, None) if uid not in deleting else None
-            if task is not None:  # no longer finished (retried): it is not to expire
-                task.cancel()
-            return
-        if uid in expiring:
-            return
-        finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
-        seconds = int(spec["ttlSecondsAfterFinished"])
-        expiring[uid] = asyncio.create_task(expire(
-            namespace or "", name, uid, finished + timedelta(seconds=seconds), seconds,
-            status.get("runId")), name=f"ttl-{uid}")
-
-    @kopf.on.event(*AGENTRUNS, registry=registry, id="cancel-on-delete")
-    async def deleted(
-        event: kopf.RawEvent, namespace: str | None, name: str, uid: str, **_: Any
-    ) -> None:
-        if event.get("type") != "DELETED":
-            return
-        app().mirror.forget(uid, gone=True)
-        store = await app().ready_store()
-        try:
-            if store is None:
-                raise DatabaseUnavailable("database unavailable")
-            await app().cancel_for_deleted(store, namespace or "", name, uid)
-        except DB_ERRORS:
-            # The object is gone and no retry comes from the watch: the mirror's next resync
-            # after the outage finds the run's object missing and cancels it then.
-            app().mirror.gone.discard(uid)
-            log.warning("AgentRun %s/%s deleted while the database is unavailable; its run is "
-                        "cancelled once the database answers", namespace, name)
-
+    approvals.register(registry)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.index(*AGENTS, registry=registry, id="agents_by_name")(agents_by_name)
+    kopf.on.create(*AGENTRUNS, registry=registry, id="run", backoff=5)(create_run)
+    kopf.on.resume(*AGENTRUNS, registry=registry, id="track")(resume)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(*AGENTRUNS, registry=registry, id="actions", when=has_action)(actions)
+    kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")(ttl)
+    kopf.on.event(*AGENTRUNS, registry=registry, id="cancel-on-delete")(deleted)
     return registry
 
 
-def _has_reason(status: dict[str, Any], ctype: str, reason: str) -> bool:
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # A registry of our own gets no default login: the pod's service account when in a
+    # cluster, else $KUBECONFIG, through the official client (as kopf's default does).
+    return kopf.login_via_client(**kwargs)
+
+
+async def start(config: OperatorSettings, ks: kopf.OperatorSettings, memo: kopf.Memo) -> None:
+    ks.persistence.finalizer = FINALIZER
+    # Keep kopf's bookkeeping in annotations: .status is ours, and the CRD's structural
+    # schema would prune anything else written there.
+    ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix="operator.agentrun.dev"
+    )
+    ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="operator.agentrun.dev",
+        key="last-handled-configuration",
+        # The spec is immutable (CEL) and may be 100s of KB (the task): kopf would copy it
+        # into this annotation, and an annotation over 256 KiB wedges the object.
+        ignored_fields=["spec"],
+    )
+    ks.posting.enabled = False  # Events come from the operator alone (app.event)
+    logging.getLogger("kopf.objects").addFilter(_QuietAgentRetries())
+    metrics = OperatorMetrics()
+    if config.metrics_port is not None:
+        try:
+            metrics.serve(config.metrics_port)
+        except ConfigError as exc:  # taken since `agentrun operator` checked it: exit 2
+            raise kopf.PermanentError(str(exc)) from exc
+    kube = KubeApi.from_environment(on_call=lambda verb: metrics.kube_calls.labels(verb).inc())
+    app = OperatorApp(config, kube, metrics)
+    memo[APP] = app
+    memo[EXPIRIES] = Expiries()
+    memo[approvals.WORKING] = approvals.Working()
+    await app.start()
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if APP in memo:
+        await _app(memo).stop()
+
+
+def agents_by_name(
+    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> dict[tuple[str | None, str], dict[str, Any]]:
+    return {(namespace, name): dict(spec)}
+
+
+async def _store_or_retry(app: OperatorApp, patch: kopf.Patch, status: dict[str, Any]) -> Store:
+    store = await app.ready_store()
+    if store is None:
+        conditions = set_condition(status.get("conditions"), db_condition(False))
+        patch.status["conditions"] = conditions
+        raise kopf.TemporaryError("database unavailable; retrying", delay=DB_RETRY_DELAY)
+    return store
+
+
+async def create_run(
+    spec: kopf.Spec,
+    namespace: str | None,
+    name: str,
+    uid: str,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    meta: kopf.Meta,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    assert namespace is not None  # AgentRun is namespaced
+    app = _app(memo)
+    config = app.settings
+    agents: kopf.Index[tuple[str | None, str], dict[str, Any]] = kwargs["agents_by_name"]
+    current = dict(status)
+    generation = meta.get("generation")
+    ref = _ref(namespace, name, uid)
+
+    def refuse(reason: Reason, message: str, why: str) -> None:
+        conditions = set_condition(
+            current.get("conditions"), Cond(CondType.ACCEPTED, False, reason, why), generation
+        )
+        patch.status["conditions"] = set_condition(
+            conditions, not_ready(reason, why), generation
+        )
+        patch.status["message"] = message
+        patch.status["observedGeneration"] = generation
+
+    try:
+        run_spec = AgentRunSpec.model_validate(dict(spec))
+        if isinstance(run_spec.agent, AgentRef):
+            key = (namespace, run_spec.agent.name)
+            found = list(agents.get(key, []))
+            if not found:
+                why = (
+                    f"spec.agent.name: no Agent {run_spec.agent.name!r} in namespace "
+                    f"{namespace}; create it (kubectl apply -f agent.yaml) and the run "
+                    f"starts within {config.agent_retry_delay:.0f}s"
+                )
+                if not _has_reason(current, CondType.ACCEPTED, Reason.AGENT_NOT_FOUND):
+                    # Once per object (and per operator restart it is not repeated: the
+                    # condition is on the object): one Event, and its one WARNING line.
+                    await app.event(
+                        ref, Event("Warning", Reason.AGENT_NOT_FOUND, why), run_id=None
+                    )
+                refuse(Reason.AGENT_NOT_FOUND, f"Agent {run_spec.agent.name} not found", why)
+                raise kopf.TemporaryError(
+                    f"{AWAITING_AGENT} {run_spec.agent.name!r}",
+                    delay=config.agent_retry_delay,
+                )
+            agent = AgentSpec.model_validate(found[0])
+        else:
+            agent = run_spec.agent
+        agent = run_spec.resolved_agent(agent)
+        await _check_pool(app, run_spec.pool or agent.pool, namespace, current, ref, refuse)
+    except ValidationError as exc:
+        why = _validation_message(exc)
+        refuse(Reason.INVALID_SPEC, "invalid spec", why)
+        await app.event(ref, Event("Warning", Reason.INVALID_SPEC, why), run_id=None)
+        raise kopf.PermanentError(why) from None
+
+    store = await _store_or_retry(app, patch, current)
+    await _check_tools(app, store, run_spec.pool or agent.pool, agent, current, ref)
+    try:
+        run, created = await store.create_run(
+            run_spec.task,
+            agent,
+            pool=run_spec.pool,
+            max_steps=run_spec.max_steps,
+            max_attempts=run_spec.max_attempts,
+            k8s=K8sRef(namespace, name, uid),
+        )
+    except DB_ERRORS as exc:
+        raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
+    # Crash tests kill the operator here: the row exists, kopf has not recorded success.
+    crash_point("operator_after_create_run", 0)
+    new = status_for(run, db_up=True, previous=current, generation=generation)
+    # A merge patch: keys the new status lacks (an earlier "message") are set to null.
+    patch.status.update({**{k: None for k in current}, **new})
+    app.mirror.track(namespace, name, uid, new, generation)
+    log.info(
+        "AgentRun %s/%s: %s run in pool %s",
+        namespace, name, "created" if created else "found the existing", run.pool,
+        extra={"run_id": str(run.id)},
+    )
+    if created:
+        await app.event(
+            ref, Event("Normal", Reason.CREATED, f"run {run.id} in pool {run.pool}"), run.id
+        )
+
+
+async def resume(
+    namespace: str | None, name: str, uid: str, status: kopf.Status, meta: kopf.Meta,
+    memo: kopf.Memo, **_: Any,
+) -> None:
+    _app(memo).mirror.track(namespace or "", name, uid, dict(status), meta.get("generation"))
+
+
+async def actions(
+    annotations: kopf.Annotations,
+    namespace: str | None,
+    name: str,
+    uid: str,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    app = _app(memo)
+    store = await _store_or_retry(app, patch, dict(status))
+    try:
+        run = await store.get_run_by_k8s_uid(uid)
+    except DB_ERRORS as exc:
+        raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
+    if run is None:
+        raise kopf.TemporaryError("the run is not created yet", delay=1)
+    who = f"annotation on AgentRun {namespace}/{name}"
+    ref = _ref(namespace or "", name, uid)
+    for key in ACTIONS:
+        if key not in annotations:
+            continue
+        value = str(annotations[key]).strip()
+        try:
+            if key == CANCEL:
+                if value.lower() not in ("true", "yes", "1"):
+                    raise ConfigError(f'{key} must be "true", not {value!r}')
+                now, changed = await store.cancel(run.id, f"cancelled by {who}")
+                if not changed:
+                    await app.event(ref, Event(
+                        "Normal", Reason.CANCEL_IGNORED, one_line(
+                            f"the run is rolling back ({now.rollback_reason}): a cancel does "
+                            "not interrupt a rollback; it ends once its compensations ran"
+                            if now.rolling_back
+                            else f"the run had already ended ({now.status})", 1000)),
+                        run.id)
+            elif key == RETRY:
+                reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
+                now = await store.retry(run.id, reason)  # ConfigError: refused
+                await app.event(ref, Event(
+                    "Normal", Reason.RETRIED, one_line(
+                        f"retry {now.retries} by {who}: continues from step {now.next_seq} "
+                        f"with a fresh budget of {now.max_attempts} attempts", 1000)),
+                    run.id)
+            else:
+                if not app.settings.approval_annotations:
+                    raise ConfigError(ANNOTATIONS_OFF)
+                try:
+                    seq = int(value)
+                except ValueError:
+                    raise ConfigError(
+                        f"{key} must be the step number the run waits on (see .status."
+                        f"pendingApproval.seq), not {value!r}"
+                    ) from None
+                decision: Literal["approved", "rejected"] = (
+                    "approved" if key == APPROVE else "rejected"
+                )
+                call = await store.decide(run.id, seq, decision, decided_by=who)
+                await app.event(ref, Event(
+                    "Normal",
+                    Reason.APPROVED if key == APPROVE else Reason.REJECTED,
+                    f"step {seq} ({call.get('tool')}) {decision} by {who}",
+                ), run.id)
+            log.info("AgentRun %s/%s: %s=%s applied", namespace, name, key, value,
+                     extra={"run_id": str(run.id)})
+        except ConfigError as exc:
+            await app.event(ref, Event(
+                "Warning", Reason.ACTION_REFUSED, f"{key}={value}: {exc}"), run.id)
+            log.warning("AgentRun %s/%s: %s=%s refused: %s", namespace, name, key, value, exc,
+                        extra={"run_id": str(run.id)})
+        except DB_ERRORS as exc:
+            raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
+        # Consumed: the same annotation can be set again for the next decision.
+        patch.metadata.annotations[key] = None
+
+
+# spec.ttlSecondsAfterFinished: a raw-event handler, not a kopf timer (a timer makes kopf
+# put a finalizer on every object, and an AgentRun must never wait for the operator to be
+# deleted). Every event of a finished object with a TTL (the status mirror's patch that
+# shows it finished, or the watch's initial listing after an operator restart) makes sure
+# one task waits for its expiry, then deletes it.
+async def expire(app: OperatorApp, expiries: Expiries, namespace: str, name: str, uid: str,
+                 at: datetime, ttl: int, run_id: str | None) -> None:
+    expiring, deleting = expiries.expiring, expiries.deleting
+    try:
+        while True:
+            await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+            # The store decides, not the mirrored status (it may lag): a run retried since
+            # is live (its next finish schedules a new expiry), one that finished again
+            # counts from its new finish.
+            store = await app.ready_store()
+            if store is None:
+                raise DatabaseUnavailable("database unavailable")
+            run = await store.get_run_by_k8s_uid(uid)
+            if run is None or not run.finished or run.finished_at is None:
+                return
+            at = run.finished_at + timedelta(seconds=ttl)
+            if datetime.now(UTC) >= at:
+                break
+        deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
+        if await app.kube.delete_agentrun(namespace, name, uid):
+            await app.event(_ref(namespace, name, uid), Event(
+                "Normal", Reason.EXPIRED,
+                f"deleted {ttl}s after the run finished (spec.ttlSecondsAfterFinished); "
+                "the run's rows stay in the store"), run_id)
+    except Exception as exc:  # the next event of the object schedules it again
+        log.warning("AgentRun %s/%s: could not delete it after its TTL: %s", namespace,
+                    name, exc, extra={"run_id": str(run_id)})
+    finally:
+        if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
+            del expiring[uid]
+        deleting.discard(uid)
+
+
+async def ttl(
+    event: kopf.RawEvent, spec: kopf.Spec, status: kopf.Status, namespace: str | None,
+    name: str, uid: str, memo: kopf.Memo, **_: Any,
+) -> None:
+    expiries = _expiries(memo)
+    expiring, deleting = expiries.expiring, expiries.deleting
+    if event.get("type") == "DELETED":
+        if uid not in deleting:  # deleted by someone else while it waited: stop waiting
+            task = expiring.pop(uid, None)
+            if task is not None:
+                task.cancel()
+        return
+    if not ttl_due(spec, status):
+        task = expiring.pop(uid, None) if uid not in deleting else None
+        if task is not None:  # no longer finished (retried): it is not to expire
+            task.cancel()
+        return
+    if uid in expiring:
+        return
+    finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
+    seconds = int(spec["ttlSecondsAfterFinished"])
+    expiring[uid] = asyncio.create_task(expire(
+        _app(memo), expiries, namespace or "", name, uid, finished + timedelta(seconds=seconds),
+        seconds, status.get("runId")), name=f"ttl-{uid}")
+
+
+async def deleted(
+    event: kopf.RawEvent, namespace: str | None, name: str, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
+    if event.get("type") != "DELETED":
+        return
+    app = _app(memo)
+    app.mirror.forget(uid, gone=True)
+    store = await app.ready_store()
+    try:
+        if store is None:
+            raise DatabaseUnavailable("database unavailable")
+        await app.cancel_for_deleted(store, namespace or "", name, uid)
+    except DB_ERRORS:
+        # The object is gone and no retry comes from the watch: the mirror's next resync
+        # after the outage finds the run's object missing and cancels it then.
+        app.mirror.gone.discard(uid)
+        log.warning("AgentRun %s/%s deleted while the database is unavailable; its run is "
+                    "cancelled once the database answers", namespace, name)
+
+
+def _has_reason(status: dict[str, Any], ctype: CondType, reason: Reason) -> bool:
     return any(
         c.get("type") == ctype and c.get("reason") == reason
         for c in status.get("conditions") or []

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from agentrun.operator.crds import GROUP, VERSION
+from agentrun.operator.api import AGENTRUNS_PLURAL, APPROVALS_PLURAL, GROUP, VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,7 +111,7 @@ class KubeApi:
         hang it)."""
         if not namespaces:
             await self._call("probe", lambda: self.custom.list_cluster_custom_object(
-                GROUP, VERSION, "agentruns", limit=1, _request_timeout=request_timeout))
+                GROUP, VERSION, AGENTRUNS_PLURAL, limit=1, _request_timeout=request_timeout))
         # kopf also takes glob patterns ("team-*", "!kube-*"): no list can name those.
         concrete = [ns for ns in namespaces if not any(c in ns for c in "*?[!")]
         if namespaces and not concrete:
@@ -119,7 +119,7 @@ class KubeApi:
             await self._call("probe", partial(version.get_code, _request_timeout=request_timeout))
         for ns in concrete:
             await self._call("probe", partial(
-                self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, "agentruns",
+                self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, AGENTRUNS_PLURAL,
                 limit=1, _request_timeout=request_timeout))
 
     async def patch_agentrun_status(
@@ -137,7 +137,7 @@ class KubeApi:
             await self._call(
                 "patch_status",
                 lambda: self.custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, "agentruns", name, ops,
+                    GROUP, VERSION, namespace, AGENTRUNS_PLURAL, name, ops,
                     _content_type=JSON_PATCH,
                 ),
             )
@@ -155,7 +155,7 @@ class KubeApi:
         obj: Any = await self._call(
             "get",
             lambda: self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, "agentruns", name
+                GROUP, VERSION, namespace, AGENTRUNS_PLURAL, name
             ),
         )
         return dict(obj)
@@ -175,7 +175,7 @@ class KubeApi:
             await self._call(
                 "patch_status",
                 lambda: self.custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, "agentrunapprovals", name, ops,
+                    GROUP, VERSION, namespace, APPROVALS_PLURAL, name, ops,
                     _content_type=JSON_PATCH,
                 ),
             )
@@ -192,7 +192,7 @@ class KubeApi:
             await self._call(
                 "delete",
                 lambda: self.custom.delete_namespaced_custom_object(
-                    GROUP, VERSION, namespace, "agentruns", name, body=body
+                    GROUP, VERSION, namespace, AGENTRUNS_PLURAL, name, body=body
                 ),
             )
         except NotFound:
@@ -208,7 +208,7 @@ class KubeApi:
             obj: Any = await self._call(
                 "get",
                 lambda: self.custom.get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, "agentruns", name
+                    GROUP, VERSION, namespace, AGENTRUNS_PLURAL, name
                 ),
             )
         except NotFound:

@@ -41,7 +41,8 @@ from agentrun.operator.status import (
     status_for,
     transitions,
 )
-from agentrun.store import TERMINAL_STATUSES, Quota, Run, Store
+from agentrun.store import Quota, Run, Store
+from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The status is a function of the run row (and of whether the database answers), so a restarted
 operator computes the same status again and patches nothing; only ``lastTransitionTime`` of a
 condition carries over from what the object already shows. It is built through the
-:class:`~agentrun.operator.crds.AgentRunStatus` model, the same one the CRD's schema is generated
+:class:`~agentrun.operator.api.AgentRunStatus` model, the same one the CRD's schema is generated
 from, and holds no ``None``: an absent field and a null one must compare equal, or every restart
 re-patches every object.
 """
@@ -13,78 +13,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
-from agentrun.operator.crds import AgentRunStatus
+from agentrun.operator.api import TERMINAL_REASONS, AgentRunStatus, CondType, Reason
 from agentrun.store import Quota, Run
-
-
-class CondType(StrEnum):
-    """The condition types an AgentRun carries (metav1.Condition ``type``)."""
-
-    ACCEPTED = "Accepted"
-    WAITING_FOR_APPROVAL = "WaitingForApproval"
-    COMPLETED = "Completed"
-    DATABASE_AVAILABLE = "DatabaseAvailable"
-    #: kstatus and Argo CD read ``Ready``: True once the run has succeeded.
-    READY = "Ready"
-
-
-class Reason(StrEnum):
-    """Condition reasons and Event reasons (CamelCase, as Kubernetes spells them)."""
-
-    RUN_CREATED = "RunCreated"
-    AGENT_NOT_FOUND = "AgentNotFound"
-    #: The run's pool does not admit the AgentRun's namespace (agentrun.operator.tenancy).
-    POOL_NOT_ALLOWED = "PoolNotAllowed"
-    #: Pending while its namespace has its quota of running runs (the claim passes it over).
-    QUOTA_EXCEEDED = "QuotaExceeded"
-    #: Warning at apply time: the Agent asks for tools its pool's workers did not register.
-    UNKNOWN_TOOL = "UnknownTool"
-    INVALID_SPEC = "InvalidSpec"
-    APPROVAL_REQUIRED = "ApprovalRequired"
-    NOT_WAITING = "NotWaiting"
-    IN_PROGRESS = "InProgress"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    CANCELLED = "Cancelled"
-    DEAD_LETTERED = "DeadLettered"
-    CONNECTED = "Connected"
-    DATABASE_UNAVAILABLE = "DatabaseUnavailable"
-    WAITING_FOR_APPROVAL = "WaitingForApproval"
-    # Events only
-    CREATED = "Created"
-    CLAIMED = "Claimed"
-    RESUMED = "Resumed"
-    HANDED_OVER = "HandedOver"
-    FINISHED = "Finished"
-    APPROVED = "Approved"
-    REJECTED = "Rejected"
-    ACTION_REFUSED = "ActionRefused"
-    CANCEL_IGNORED = "CancelIgnored"
-    RETRIED = "Retried"
-    EXPIRED = "Expired"
-    #: AgentRunApproval: the decision was recorded (condition Applied=True) or not (Warning
-    #: Event, condition Applied=False); Pending while the database does not answer.
-    APPROVAL_APPLIED = "Applied"
-    APPROVAL_REFUSED = "ApprovalRefused"
-    APPROVAL_PENDING = "Pending"
-    #: Warning: the holder's lease ran out (SIGKILL, OOM kill, node loss); another worker took
-    #: the run over. A graceful release is HANDED_OVER (Normal).
-    LEASE_EXPIRED = "LeaseExpired"
 
 #: ``.status.result`` and ``.status.error`` are truncated to this: objects live in etcd, the full
 #: text in the store (``agentrun steps RUN``).
 MAX_TEXT = 1024
 MAX_MESSAGE = 80
 
-TERMINAL_REASONS = {
-    "succeeded": Reason.SUCCEEDED,
-    "failed": Reason.FAILED,
-    "cancelled": Reason.CANCELLED,
-    "dead_letter": Reason.DEAD_LETTERED,
-}
 
 
 def now_iso() -> str:
@@ -133,9 +71,9 @@ def message(run: Run, quota: Quota | None = None) -> str:
 
 @dataclass(frozen=True)
 class Cond:
-    type: str
+    type: CondType
     status: bool
-    reason: str
+    reason: Reason
     message: str = ""
 
 
@@ -175,7 +113,7 @@ def ready_condition(run: Run, quota: Quota | None = None) -> Cond:
     )
 
 
-def not_ready(reason: str, why: str) -> Cond:
+def not_ready(reason: Reason, why: str) -> Cond:
     """Ready=False before a run exists (unknown Agent, invalid spec)."""
     return Cond(CondType.READY, False, reason, one_line(why, 300))
 
@@ -345,8 +283,8 @@ def _pending(run: Run) -> tuple[int | None, int | None]:
 
 @dataclass(frozen=True)
 class Event:
-    type: str  # Normal | Warning
-    reason: str
+    type: Literal["Normal", "Warning"]
+    reason: Reason
     message: str
 
 

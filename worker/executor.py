@@ -41,6 +41,7 @@ from agentrun.tools import (
     idempotency_key,
     make_context,
 )
+from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_end, rollback_reason
 from agentrun.worker.budget import Spend, over_budget, turn_tokens
 from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
@@ -75,7 +76,7 @@ class RunHandle:
     run: Run
     lease: Lease
     task: asyncio.Task[None] | None = None
-    abort_reason: str | None = None  # "cancelled" | "lease lost" | "drain" | "stalled"
+    abort_reason: AbortReason | None = None
     in_model_call: bool = False
     rollback_requested: bool = False  # set by the listener; acted on at the next boundary
     # Monotonic time at which the last write that renewed the lease was SENT: the database set
@@ -106,7 +107,7 @@ class RunHandle:
             return f"lease expired {late:.1f} s ago by this worker's clock"
         return None
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: AbortReason) -> None:
         """Stop the run's task now, interrupting an in-flight model call or backoff."""
         if self.abort_reason is None:
             self.abort_reason = reason
@@ -197,7 +198,7 @@ class RunExecutor:
         self,
         h: RunHandle,
         seq: int,
-        kind: Any,
+        kind: StepKind,
         payload: Any,
         request_id: str | None = None,
         started: float | None = None,
@@ -241,7 +242,7 @@ class RunExecutor:
             "claimed: attempt %d, epoch %d, resuming at seq %d", run.attempt, h.lease.epoch, seq
         )
         if run.rollback_reason:  # a worker died mid-rollback: finish it, never go on
-            await self.abort(h, run.rollback_reason)
+            await self.abort(h)
             return None
         # The run's provider's client; its spans carry the run id.
         client = self.tracing.client_for(await self.client_for(h), h.run_id)
@@ -249,7 +250,7 @@ class RunExecutor:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
             if h.rollback_requested:  # cancel --rollback / reject --abort, heard while running
-                await self.abort(h, (await self.store.get_run(run.id)).rollback_reason or "")
+                await self.abort(h)
                 return None
             if last is not None and last[0] == "model_turn":
                 stop = last[1].get("stop_reason")
@@ -332,12 +333,16 @@ class RunExecutor:
         except ProviderUnavailable as exc:
             raise RunFailed(str(exc)) from None
 
-    async def abort(self, h: RunHandle, reason: str) -> None:
+    async def abort(self, h: RunHandle, failure: str | None = None) -> None:
         """Tier 3: the run fails. First undo, newest first, every recorded effect that declared
         a compensation (tier 2), each as a durable step; then fail with a record of what was
-        undone. A resume of a run that began to roll back lands here again and goes on."""
+        undone. A resume of a run that began to roll back lands here again and goes on.
+
+        ``failure``: the error that fails the run; None: a rollback was requested (cancel
+        --rollback, reject --abort), and its stored reason says why and what it ends as. The
+        first reason stored stays either way."""
         sent = time.monotonic()
-        reason = await self.store.begin_rollback(h.lease, reason)
+        reason = await self.store.begin_rollback(h.lease, rollback_reason("failed", failure))
         self._committed(h, sent)
         outcome = "no_compensation"
         try:
@@ -352,8 +357,9 @@ class RunExecutor:
             if s.kind == "compensation"
         ]
         error = reason + (f"; compensated: {', '.join(undone)}" if undone else "")
-        # A cancel that asked for a rollback ends cancelled; every other abort ends failed.
-        final: Any = "cancelled" if reason.startswith("cancelled") else "failed"
+        # What the rollback's request said it ends as, kept in the stored reason (read back after
+        # a worker died mid-rollback too): a cancel's ends cancelled, every other failed.
+        final = rollback_end(reason)
         await self.store.finish(h.lease, final, error=error)
         self.metrics.aborts.labels(outcome).inc()
         self.metrics.runs_finished.labels(final).inc()
@@ -456,7 +462,7 @@ class RunExecutor:
             return {**result, **effect.result}
         key = idempotency_key(h.run_id, turn_seq, name, args, index)
 
-        async def record(state: Any, outcome: dict[str, Any] | None = None) -> None:
+        async def record(state: EffectState, outcome: dict[str, Any] | None = None) -> None:
             sent = time.monotonic()
             await self.store.record_effect(
                 h.lease, turn_seq, index, key=key, tool=name, tool_kind=spec.kind.value,

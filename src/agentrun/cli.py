@@ -26,7 +26,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn
 
 import psycopg
 
@@ -67,13 +67,13 @@ from agentrun.store import (
     FOLLOWER_LEASE,
     ManifestName,
     Run,
-    RunStatus,
     Store,
     check_connect,
     connect,
     parse_run_id,
 )
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, default_registry, load_tool_modules
+from agentrun.vocabulary import RUN_STATUSES, TERMINAL
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 # -- commands ------------------------------------------------------------------------------------
@@ -210,8 +210,6 @@ WAIT_EXIT_CODES: dict[str, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6
 #: The values of ``--for``: "succeeded" (exit 0 only if the run succeeds) or "finished" (exit 0
 #: whatever its end).
 WAIT_FOR = ("succeeded", "finished")
-#: Every run status (the choices of ``runs --status``).
-RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 #: After the LISTEN connection drops, how long before it is opened again (and the run re-read).
 RELISTEN_DELAY = 1.0
 #: ``logs -f`` hears of each new step by LISTEN on agentrun_run_steps, which an append notifies
@@ -554,8 +552,7 @@ async def cmd_decide(args: argparse.Namespace) -> int:
 async def cmd_cancel(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
         if args.rollback:
-            reason = "cancelled" + (f": {args.reason}" if args.reason else " with rollback")
-            run, changed = await store.request_rollback(args.run, reason)
+            run, changed = await store.request_rollback(args.run, "cancelled", args.reason)
         else:
             run, changed = await store.cancel(args.run, reason=args.reason)
     if changed and args.rollback:
@@ -614,7 +611,7 @@ def parse_duration(text: str) -> timedelta:
 PRUNE_BATCH = 100
 
 #: The statuses agentrun prune deletes by default: every finished one.
-PRUNABLE = ("succeeded", "failed", "cancelled", "dead_letter")
+PRUNABLE = TERMINAL
 
 
 async def cmd_prune(args: argparse.Namespace) -> int:

@@ -56,12 +56,12 @@ from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     ManifestName,
     Run,
-    RunStatus,
     Step,
     Store,
     check_connect,
     parse_run_id,
 )
+from agentrun.vocabulary import RUN_STATUSES, RunStatus
 
 __all__ = ["RECHECK_INTERVAL", "AsyncClient", "Client", "WaitFor"]
 
@@ -324,8 +324,7 @@ class AsyncClient:
         rollback runs to its end). ``rollback``: run the compensations of what it did first; the
         run then ends cancelled once they have run."""
         if rollback:
-            why = "cancelled" + (f": {reason}" if reason else " with rollback")
-            return await self.store.request_rollback(run_id, why)
+            return await self.store.request_rollback(run_id, "cancelled", reason)
         return await self.store.cancel(run_id, reason=reason)
 
     async def approve(
@@ -373,9 +372,9 @@ class AsyncClient:
         self, *, pool: str | None = None, status: RunStatus | None = None, limit: int = 100
     ) -> builtins.list[Run]:
         """Runs, newest first, optionally of one pool and/or one status."""
-        if status is not None and status not in get_args(RunStatus):
+        if status is not None and status not in RUN_STATUSES:
             raise ConfigError(
-                f"status={status!r}: expected one of {', '.join(get_args(RunStatus))}"
+                f"status={status!r}: expected one of {', '.join(RUN_STATUSES)}"
             )
         if limit < 1:
             raise ConfigError(f"limit={limit}: must be at least 1")

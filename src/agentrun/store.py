@@ -64,14 +64,17 @@ from agentrun.manifests import (
     pool_problem,
 )
 from agentrun.sql import queries
+from agentrun.vocabulary import (
+    TERMINAL_STATUSES,
+    EffectState,
+    RollbackEnd,
+    StepKind,
+    TerminalStatus,
+    rollback_reason,
+)
 
 log = logging.getLogger(__name__)
 
-RunStatus = Literal[
-    "pending", "running", "waiting_approval", "succeeded", "failed", "cancelled", "dead_letter"
-]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "dead_letter"})
-StepKind = Literal["model_turn", "tool_result", "user", "note"]
 
 #: Notification channels (see docs/store.md).
 CHANNEL_RUN_CHANGED = "agentrun_run_changed"
@@ -937,7 +940,7 @@ class Store:
     async def finish(
         self,
         lease: Lease,
-        status: Literal["succeeded", "failed", "cancelled", "dead_letter"],
+        status: TerminalStatus,
         *,
         result: str | None = None,
         error: str | None = None,
@@ -973,7 +976,7 @@ class Store:
         key: str,
         tool: str,
         tool_kind: str,
-        state: Literal["intent", "done"],
+        state: EffectState,
         result: dict[str, Any] | None = None,
         tool_input: dict[str, Any] | None = None,
         compensate: str | None = None,
@@ -1108,16 +1111,21 @@ class Store:
                 },
             )
             if abort:
-                why = f"rejected by {decided_by}" + (f": {reason}" if reason else "")
+                why = rollback_reason("failed", f"rejected by {decided_by}" + (
+                    f": {reason}" if reason else ""))
                 await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": why})
             else:
                 await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
         return dict(pending)
 
-    async def request_rollback(self, run_id: str | UUID, reason: str) -> tuple[Run, bool]:
-        """Ask for the run's compensations to run and the run to end (see queries.sql).
+    async def request_rollback(
+        self, run_id: str | UUID, end: RollbackEnd, why: str | None = None
+    ) -> tuple[Run, bool]:
+        """Ask for the run's compensations to run and the run to end as ``end`` (see
+        queries.sql; ``end`` is kept in the stored reason, agentrun.vocabulary.rollback_reason).
         Returns the run and whether the request was recorded (False: already finished)."""
         rid = parse_run_id(run_id)
+        reason = rollback_reason(end, why)
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Run))
             await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": reason})
