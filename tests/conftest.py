@@ -244,3 +244,38 @@ def workers(tmp_path: Path, database_url: str) -> Iterator[Workers]:
 
 # The real Kubernetes API server tier (tests/realkube.py): control_plane, admin_kube, kube.
 pytest_plugins = ["realkube"]
+
+
+# -- tiers ---------------------------------------------------------------------------------------
+
+#: Fixtures and helpers by which a test starts agentrun processes (the `process` tier).
+_PROCESS_FIXTURES = {"workers", "procs"}
+_PROCESS_CALLS = ("run_cli(", "start_cli(", "subprocess.", "Workers(")
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    if _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    source = _module_sources.get(item.path)
+    if source is None:
+        source = _module_sources[item.path] = item.path.read_text(encoding="utf-8")
+    return any(call in source for call in _PROCESS_CALLS)
+
+
+_module_sources: dict[Path, str] = {}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's tier as a marker, by what it is rather than by hand: k8s for the real API
+    server files (tests/test_k8s_*.py), process for tests starting agentrun processes (by fixture,
+    or a module that calls the CLI or subprocess), unit for the rest; e2e and slow are explicit."""
+    for item in items:
+        if item.get_closest_marker("e2e") or item.get_closest_marker("slow"):
+            continue
+        if item.path.name.startswith("test_k8s_"):
+            item.add_marker(pytest.mark.k8s)
+        elif _starts_processes(item):
+            item.add_marker(pytest.mark.process)
+        else:
+            item.add_marker(pytest.mark.unit)

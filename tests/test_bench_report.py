@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import report
+from benchmarks import report
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from benchmarks.own_pg import OwnPostgres
 from helmtools import helm, kubectl
 from nodekit import (
     NAMESPACE,
@@ -49,9 +49,6 @@ from nodekit import (
 from proxykit import TcpProxy
 
 from agentrun.migrations import migrate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from own_pg import OwnPostgres
 
 # Building the image (~2.5 min on a fresh machine) is part of the first test's setup.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
