@@ -31,8 +31,9 @@ import psycopg
 import pytest
 import yaml
 from benchmarks.own_pg import OwnPostgres
-from helmtools import helm, kubectl
-from nodekit import (
+
+from agentrun.migrations import migrate
+from tests.e2e.nodekit import (
     NAMESPACE,
     NODE_IP,
     NODE_NAME,
@@ -46,9 +47,8 @@ from nodekit import (
     start_model_server,
     wait_for,
 )
-from proxykit import TcpProxy
-
-from agentrun.migrations import migrate
+from tests.helmtools import helm, kubectl
+from tests.proxykit import TcpProxy
 
 # Building the image (~2.5 min on a fresh machine) is part of the first test's setup.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
