@@ -1,12 +1,6 @@
 """agentrun's benchmarks and chaos soak: ``python -m benchmarks.report --preset small``.
 
-The modules also run as scripts (``python benchmarks/store_bench.py``) and import each other by
-their plain names, so this folder is put on ``sys.path`` by whichever of them runs first.
+A package run from the repository root (``python -m benchmarks.soak``, ``python -m
+benchmarks.store_bench``): its modules import each other as ``benchmarks.x``, and the tests import
+them the same way (pyproject's pytest ``pythonpath`` puts the root on ``sys.path``).
 """
-
-import sys
-from pathlib import Path
-
-_here = str(Path(__file__).resolve().parent)
-if _here not in sys.path:
-    sys.path.insert(0, _here)

@@ -31,15 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throwaway_db import throwaway_database
-from worker_bench import spawn_worker
-
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.scenario import parse_scenario
 from agentrun.manifests import AgentSpec
 from agentrun.pricing import cost_usd
 from agentrun.store import Store
+from benchmarks.throwaway_db import throwaway_database
+from benchmarks.worker_bench import spawn_worker
 
 MODEL = "claude-sonnet-4-5"
 KINDS = ("input", "cache_read", "cache_write", "output")

@@ -1,6 +1,6 @@
 """Fleet benchmark: real ``agentrun worker`` processes, measured from the outside.
 
-    python benchmarks/fleet_bench.py [--preset small|large] [--json FILE]
+    python -m benchmarks.fleet_bench [--preset small|large] [--json FILE]
 
 1. Throughput: steps committed per second with 1, 4 and 16 concurrent runs per worker and with
    1 and 2 worker processes, against the scripted model server (``agentrun fake-anthropic`` in a
@@ -37,10 +37,10 @@ import psycopg
 import yaml
 from psycopg.conninfo import conninfo_to_dict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from own_pg import OwnPostgres
-from throwaway_db import db_url, fresh_database, throwaway_database
-from worker_bench import (
+from agentrun.store import Store
+from benchmarks.own_pg import OwnPostgres
+from benchmarks.throwaway_db import db_url, fresh_database, throwaway_database
+from benchmarks.worker_bench import (
     AGENT,
     Progress,
     _quiet,
@@ -51,8 +51,6 @@ from worker_bench import (
     stop_processes,
     wait_ready,
 )
-
-from agentrun.store import Store
 
 PRESETS: dict[str, dict[str, Any]] = {
     # turns per run; runs per batch = max(min_runs, per_slot * concurrency * workers)

@@ -45,16 +45,14 @@ from typing import Any
 
 import psycopg
 import yaml
+from tests.helmtools import kubectl
+from tests.kubekit import KubeCluster, Operators, agent_manifest, agentrun_manifest
+
+from agentrun.manifests import AgentSpec
+from agentrun.store import Store
+from benchmarks.throwaway_db import throwaway_database
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from helmtools import kubectl  # noqa: E402
-from kubekit import KubeCluster, Operators, agent_manifest, agentrun_manifest  # noqa: E402
-
-from agentrun.manifests import AgentSpec  # noqa: E402
-from agentrun.store import Store  # noqa: E402
-from benchmarks.throwaway_db import throwaway_database  # noqa: E402
 
 AGENT = AgentSpec(model="claude-sonnet-4-5", system="bench", tools=[])
 POOL = {
@@ -320,7 +318,7 @@ async def _real_vs_emulator(
 def _control_plane(workdir: Path) -> Any:
     """tests/realkube.start_control_plane, with its pytest skip/fail turned into an exception."""
     import pytest
-    from realkube import start_control_plane
+    from tests.realkube import start_control_plane
 
     try:
         return start_control_plane(workdir)
@@ -340,7 +338,7 @@ def scale_from_zero_real(preset: str = "small", admin_url: str | None = None) ->
     emulator's ``scale_from_zero_emulator_*`` and ``ratio_vs_emulator`` (real/emulator p50, AgentRun
     created through the API; ``ratio_vs_emulator_insert`` for the insert); or ``skipped`` with the
     reason when no API server can be had."""
-    from realkube import Kube, apply_crds, install_chart, new_namespace
+    from tests.realkube import Kube, apply_crds, install_chart, new_namespace
 
     api_n, kubectl_n, insert_n = REAL_TRIALS.get(preset, REAL_TRIALS["small"])
     with contextlib.ExitStack() as stack:

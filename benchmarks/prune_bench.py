@@ -37,18 +37,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throwaway_db import throwaway_database
-
 from agentrun.manifests import AgentSpec
 from agentrun.store import TERMINAL_STATUSES, Lease, Store
+from benchmarks.throwaway_db import throwaway_database
 
 AGENT = AgentSpec(model="bench", system="bench")
 #: A small model-turn-like payload (about 200 bytes of JSON): the table's size, not its content,

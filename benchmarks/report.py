@@ -2,7 +2,7 @@
 
     python -m benchmarks.report --preset small --out bench-out/     # about 3 minutes on 2 cores
     python -m benchmarks.report --preset large --out bench-out/     # a bigger machine
-    python benchmarks/report.py --preset small --only store,cancel  # a subset while developing
+    python -m benchmarks.report --preset small --only store,cancel  # a subset while developing
 
 Every figure stands next to its goal and is marked met or not met. The store, the durable loop,
 resume, cancel and throughput run on a throwaway database of the server that the tests use
@@ -43,13 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))  # for benchmarks.operator_bench when run as a script
-
-import psycopg  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A smoke test of the command itself, not a measurement.
@@ -213,11 +210,8 @@ def section(
 def run_all(
     preset: str, admin_url: str | None, only: set[str], log: Clock
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    import fleet_bench
-    import prune_bench
-    import store_bench
-    import worker_bench
-    from throwaway_db import fresh_database, pick_admin_url, throwaway_database
+    from benchmarks import fleet_bench, prune_bench, store_bench, worker_bench
+    from benchmarks.throwaway_db import fresh_database, pick_admin_url, throwaway_database
 
     p = PRESETS[preset]
     res: dict[str, Any] = {"preset": preset}

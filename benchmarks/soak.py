@@ -1,8 +1,8 @@
 """Seeded chaos soak: many runs mixing every tool class and odd payloads, workers killed and
 SIGSTOPped at random, PostgreSQL restarted now and then, then a strict checker.
 
-    python benchmarks/soak.py --runs 40 --seconds 120 --seed 7 [--pg-restarts 2]
-    python benchmarks/soak.py --runs 40 --seconds 36000 --continuous --pg-restarts 20  # a night
+    python -m benchmarks.soak --runs 40 --seconds 120 --seed 7 [--pg-restarts 2]
+    python -m benchmarks.soak --runs 40 --seconds 36000 --continuous --pg-restarts 20  # a night
 
 Runs are created with the default maxAttempts (what ``agentrun run`` and an AgentRun get), so a
 healthy run the runtime gives up on is seen. They use the test tools in
@@ -61,13 +61,11 @@ from typing import Any
 import psycopg
 from psycopg_pool import PoolTimeout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tools import ODD_PAYLOADS
-from own_pg import OwnPostgres
-
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import TERMINAL_STATUSES, Run, Step, Store
+from benchmarks.bench_tools import ODD_PAYLOADS
+from benchmarks.own_pg import OwnPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tests" / "tool_modules" / "ledger_tools.py"

@@ -1,6 +1,6 @@
 """Store benchmark: the store's fenced append and claim next to hand-written raw psycopg.
 
-    python benchmarks/store_bench.py [--steps 2000] [--runs 1000] [--admin-url URL] [--json FILE]
+    python -m benchmarks.store_bench [--steps 2000] [--runs 1000] [--admin-url URL] [--json FILE]
 
 It creates a throwaway database on the server (AGENTRUN_TEST_ADMIN_URL, else the machine's own
 127.0.0.1:5432, else the embedded one), migrates it, measures, prints a table and drops it.
@@ -34,19 +34,16 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throwaway_db import throwaway_database
-
 from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
 from agentrun.store import Lease, Store
+from benchmarks.throwaway_db import throwaway_database
 
 PAYLOAD = {
     "content": [

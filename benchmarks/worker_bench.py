@@ -1,6 +1,6 @@
 """Worker benchmark: the cost of durability per step, resume latency and cancel latency.
 
-    python benchmarks/worker_bench.py [--turns 30] [--repeat 3] [--admin-url URL] [--json FILE]
+    python -m benchmarks.worker_bench [--turns 30] [--repeat 3] [--admin-url URL] [--json FILE]
 
 1. Per-step time with a zero-latency scripted model (agentrun fake-anthropic, in a process of its
    own): the seed's plain in-memory loop (messages in a Python list) next to agentrun's durable
@@ -39,10 +39,6 @@ from typing import Any
 import anthropic
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tools import echo
-from throwaway_db import throwaway_database
-
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
@@ -51,6 +47,8 @@ from agentrun.worker.client import Providers
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request
+from benchmarks.bench_tools import echo
+from benchmarks.throwaway_db import throwaway_database
 
 REGISTRY = default_registry
 #: The worker processes load the echo tool from this file.

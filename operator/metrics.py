@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from agentrun.errors import ConfigError
+from agentrun.metrics import register_standard_collectors
 from agentrun.store import PoolDepth
-from agentrun.worker.health import register_standard_collectors
 
 
 class OperatorMetrics:

@@ -24,11 +24,11 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from workerkit import FakeFactory, Workers, write_scenario
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.migrations import migrate
 from agentrun.store import Store
+from tests.workerkit import FakeFactory, Workers, write_scenario
 
 LOCAL_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -243,4 +243,42 @@ def workers(tmp_path: Path, database_url: str) -> Iterator[Workers]:
 
 
 # The real Kubernetes API server tier (tests/realkube.py): control_plane, admin_kube, kube.
-pytest_plugins = ["realkube"]
+pytest_plugins = ["tests.realkube"]
+
+
+# -- tiers ---------------------------------------------------------------------------------------
+
+#: Fixtures and calls by which a test starts agentrun processes (the `process` tier): a worker,
+#: the CLI, the operator, a benchmark or the soak (`sys.executable -m ...`).
+_PROCESS_FIXTURES = {"workers", "procs"}
+_PROCESS_CALLS = ("run_cli(", "start_cli(", "Workers(", "sys.executable")
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    if _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    source = _module_sources.get(item.path)
+    if source is None:
+        source = _module_sources[item.path] = item.path.read_text(encoding="utf-8")
+    return any(call in source for call in _PROCESS_CALLS)
+
+
+_module_sources: dict[Path, str] = {}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's tier as a marker, by what it is rather than by hand: k8s for the real API
+    server files (tests/test_k8s_*.py), process for tests starting agentrun processes (by
+    fixture, or in a module that starts them: coarse, but never misses one), unit for the rest
+    (in-process, the real PostgreSQL and scripted model server included). e2e and slow are set by
+    hand and get no tier: `-m unit`, `-m process` and `-m k8s` are disjoint and leave them out."""
+    for item in items:
+        if item.get_closest_marker("e2e") or item.get_closest_marker("slow"):
+            continue
+        if item.path.name.startswith("test_k8s_"):
+            item.add_marker(pytest.mark.k8s)
+        elif _starts_processes(item):
+            item.add_marker(pytest.mark.process)
+        else:
+            item.add_marker(pytest.mark.unit)

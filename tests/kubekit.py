@@ -408,7 +408,7 @@ class Operators:
         env: dict[str, str] | None = None,
         extra: list[str] | None = None,
     ) -> OperatorProc:
-        from workerkit import free_port
+        from tests.workerkit import free_port
 
         n = len(self.procs)
         metrics_port = free_port()

@@ -34,9 +34,10 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from helmtools import helm, kubectl
-from kubekit import RestVerbs, deployment_manifest, wait_until
 from kubernetes.client.exceptions import ApiException
+
+from tests.helmtools import helm, kubectl
+from tests.kubekit import RestVerbs, deployment_manifest, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "agentrun"

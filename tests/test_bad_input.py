@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
+from tests.conftest import run_cli
 
 
 def one_line_error(stderr: str) -> str:

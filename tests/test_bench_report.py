@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import report
+from benchmarks import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Slow (40 s, most of it the benchmarks themselves): out of the default run, run by CI on its own
+# (.ci/run: `pytest -m slow tests/test_bench_report.py`).
+@pytest.mark.slow
 def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) -> None:
     # The real command, as README.md documents it, on a subset: the store benchmark and the
     # cancel benchmark (a real worker process against the scripted model server).

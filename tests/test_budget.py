@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import BudgetSpec, load_manifest_texts
 from agentrun.pricing import BUILT_IN, load_prices, parse_prices
 from agentrun.store import Run, Store
 from agentrun.worker.budget import Spend, over_budget, turn_tokens
+from tests.conftest import run_cli
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 MODEL = AGENT.model
 

@@ -3,12 +3,8 @@ worker processes (one SIGKILLed) and the scripted server's cache accounting."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import cache_bench
 import pytest
+from benchmarks import cache_bench
 
 from agentrun.pricing import RATIOS, cost_usd
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import yaml
-from helmtools import helm
 from kubernetes_validate import utils as kv
 from prometheus_client.metrics_core import Metric
 
@@ -29,6 +28,7 @@ from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.tenancy import load_tenancy
 from agentrun.pricing import parse_prices
 from agentrun.worker.health import WorkerMetrics
+from tests.helmtools import helm
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "agentrun"

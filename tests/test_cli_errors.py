@@ -15,11 +15,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import run_cli, stop_embedded
 from psycopg import sql
 
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
+from tests.conftest import run_cli, stop_embedded
 
 
 def _one_line(res: subprocess.CompletedProcess[str]) -> str:

@@ -16,11 +16,11 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from conftest import listeners, run_cli
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
 
 from agentrun.manifests import BudgetSpec
 from agentrun.store import K8sRef, Store
+from tests.conftest import listeners, run_cli
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
 
 # The exit codes of agentrun wait and submit --wait are a contract (docs/cli.md): literals here.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_cli
+from tests.conftest import run_cli
 
 AGENT = """\
 apiVersion: agentrun.dev/v1alpha1

@@ -7,9 +7,9 @@ import sys
 import tempfile
 
 import psycopg
-from conftest import run_cli
 
 from agentrun.migrations import latest_version
+from tests.conftest import run_cli
 
 
 def _procs_env(url: str) -> dict[str, str]:

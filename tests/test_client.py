@@ -25,7 +25,6 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 import agentrun.client as client_module
 from agentrun import demo_tools
@@ -41,6 +40,15 @@ from agentrun.errors import (
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.scenario import builtin_scenario_path
 from agentrun.store import Store
+from tests.workerkit import (
+    AGENT,
+    TOOLS_DIR,
+    FakeFactory,
+    Workers,
+    echo_scenario,
+    wait_for,
+    wait_run,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "migrate-orders.yaml"

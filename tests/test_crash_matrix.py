@@ -18,10 +18,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import run_cli
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_for, wait_run
 
 from agentrun.store import Store
+from tests.conftest import run_cli
+from tests.workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_for, wait_run
 
 TOOLS = {  # tool -> (kind, input)
     "look": ("pure", {"what": "the schema"}),

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import run_cli, start_cli
-from workerkit import free_port
 
 from agentrun.demo import SUMMARY_WIDTH
+from tests.conftest import run_cli, start_cli
+from tests.workerkit import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.yaml"
 POOL_LINE = re.compile(r"pool (demo-[0-9a-f]+), production schema (demo_production_[0-9a-f]+)")

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
-from kubekit import OperatorProc, Operators, agent_manifest, agentrun_manifest, eventually
-from realkube import (
+
+from agentrun.kubeapprovals import ApprovalRefused, AsyncKubeApprovals
+from agentrun.store import Run, Store
+from tests.conftest import run_cli
+from tests.kubekit import OperatorProc, Operators, agent_manifest, agentrun_manifest, eventually
+from tests.realkube import (
     AGENTRUNS,
     CHART,
     Kube,
@@ -31,10 +34,7 @@ from realkube import (
     wait_until,
     write_token_kubeconfig,
 )
-from workerkit import wait_run
-
-from agentrun.kubeapprovals import ApprovalRefused, AsyncKubeApprovals
-from agentrun.store import Run, Store
+from tests.workerkit import wait_run
 
 APPROVALS = "agentrunapprovals"
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kubekit import agent_manifest, agentrun_manifest
-from realkube import AGENTRUNS, Kube
 
 from agentrun.manifests import inline_fields
+from tests.kubekit import agent_manifest, agentrun_manifest
+from tests.realkube import AGENTRUNS, Kube
 
 # One valid value per inline-agent field (camelCase, as in a manifest). The test is parametrized
 # from the model, so a field added to AgentSpec without a value here fails (KeyError) instead of

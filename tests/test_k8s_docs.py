@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 import yaml
-from helmtools import helm, kubectl
-from kubekit import Operators, eventually
-from realkube import CHART, ROOT, Kube, apply_crds
-from workerkit import wait_run
 
 from agentrun.store import Store
+from tests.helmtools import helm, kubectl
+from tests.kubekit import Operators, eventually
+from tests.realkube import CHART, ROOT, Kube, apply_crds
+from tests.workerkit import wait_run
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), CHART / "README.md"]
 NOTES = "NOTES.txt"  # rendered by `helm install`, read back with `helm get notes`

@@ -31,8 +31,9 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from kubekit import OperatorProc, Operators, agent_manifest, agentrun_manifest
-from realkube import (
+
+from tests.kubekit import OperatorProc, Operators, agent_manifest, agentrun_manifest
+from tests.realkube import (
     AGENTRUNS,
     CHART,
     ControlPlane,

@@ -6,8 +6,9 @@ fail with "you must specify only one resource" and list Agents too)."""
 from __future__ import annotations
 
 import pytest
-from kubekit import agent_manifest, agentrun_manifest
-from realkube import Kube
+
+from tests.kubekit import agent_manifest, agentrun_manifest
+from tests.realkube import Kube
 
 AGENTRUN_FORMS = ["agentrun", "agentruns", "ar", "agentrun.agentrun.dev",
                   "agentruns.agentrun.dev", "AgentRun"]

@@ -25,15 +25,15 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import run_cli
-from kubekit import Operators, agent_manifest, agentrun_manifest, eventually
-from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from realkube import Kube, Release, install_chart
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, free_port, wait_run
 
 from agentrun.migrations import latest_version, schema_version
 from agentrun.store import Run, Store
+from tests.conftest import run_cli
+from tests.kubekit import Operators, agent_manifest, agentrun_manifest, eventually
+from tests.proxykit import TcpProxy
+from tests.realkube import Kube, Release, install_chart
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, free_port, wait_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

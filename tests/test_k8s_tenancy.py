@@ -21,11 +21,11 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from kubekit import Operators, agent_manifest, agentrun_manifest, eventually
-from realkube import Kube, Release, install_chart, new_namespace
-from workerkit import FakeFactory, Workers, echo_scenario
 
 from agentrun.store import Store
+from tests.kubekit import Operators, agent_manifest, agentrun_manifest, eventually
+from tests.realkube import Kube, Release, install_chart, new_namespace
+from tests.workerkit import FakeFactory, Workers, echo_scenario
 
 TENANT_LABEL = "agentrun-test-tenant"
 

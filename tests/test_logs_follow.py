@@ -16,10 +16,10 @@ from uuid import UUID
 
 import psycopg
 import pytest
-from conftest import listeners
-from workerkit import AGENT, wait_for
 
 from agentrun.store import Lease, Store
+from tests.conftest import listeners
+from tests.workerkit import AGENT, wait_for
 
 #: The channel is a contract (docs/store.md): a literal here.
 CHANNEL_RUN_STEPS = "agentrun_run_steps"

@@ -15,11 +15,10 @@ import signal
 import urllib.request
 from typing import Any
 
-from conftest import run_cli
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
-
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.store import Store
+from tests.conftest import run_cli
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 
 def use(workers: Workers, srv: FakeAnthropicServer) -> None:

@@ -21,11 +21,11 @@ import kopf
 import pytest
 from kopf._core.actions.loggers import ObjectLogger
 from prometheus_client import generate_latest
-from workerkit import AGENT, FakeFactory, WorkerProc, Workers, echo_scenario, wait_run
 
 from agentrun.logs import JsonFormatter, RunIdFilter, TextFormatter, setup_logging
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.store import Store
+from tests.workerkit import AGENT, FakeFactory, WorkerProc, Workers, echo_scenario, wait_run
 
 POD = "agentrun-worker-default-7d9f8-x2x4q"
 

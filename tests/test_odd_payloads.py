@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workerkit import AGENT, FakeFactory, Workers, wait_run
 
 from agentrun.manifests import AgentSpec
 from agentrun.store import (
@@ -25,6 +24,7 @@ from agentrun.store import (
     stored_json,
     unescape_text,
 )
+from tests.workerkit import AGENT, FakeFactory, Workers, wait_run
 
 MODEL_TEXT = "x\x00y\ud800z"  # what the scripted model says (sent as JSON escapes)
 TOOL_TEXT = "a\x00b\ud800c"  # what tests/tool_modules/odd_payloads.py returns

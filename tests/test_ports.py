@@ -15,14 +15,14 @@ from pathlib import Path
 
 import anthropic
 import pytest
-from conftest import run_cli
-from workerkit import AGENT, TOOLS_DIR
 
 from agentrun.errors import ConfigError
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.store import Store
 from agentrun.tools import ToolRegistry
 from agentrun.worker.process import Worker, WorkerSettings
+from tests.conftest import run_cli
+from tests.workerkit import AGENT, TOOLS_DIR
 
 #: Generous: the check takes milliseconds, but a loaded machine imports kopf slowly. A process
 #: still running then is killed by its pid (subprocess.run does) and the test fails.
@@ -85,7 +85,7 @@ def test_operator_port_from_the_environment_is_checked_too(held_port: int, tmp_p
 
 
 def test_operator_with_both_endpoints_on_one_port_exits_2(tmp_path: Path) -> None:
-    from workerkit import free_port
+    from tests.workerkit import free_port
 
     port = str(free_port())
     res = _operator(["--health-port", port, "--metrics-port", port], tmp_path)

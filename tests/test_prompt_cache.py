@@ -14,10 +14,9 @@ import json
 import signal
 from typing import Any
 
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
-
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.store import Run, Store
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 
 async def assert_totals_are_the_steps_sum(store: Store, run: Run) -> None:

@@ -25,9 +25,6 @@ import pytest
 from anthropic._constants import ANTHROPIC_API_VERSION
 from anthropic.lib.aws._auth import _get_session
 from botocore.eventstream import EventStreamBuffer
-from conftest import run_cli
-from test_prompt_cache import answered, assert_totals_are_the_steps_sum
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.platforms import chunk_frame, exception_frame
@@ -36,6 +33,9 @@ from agentrun.pricing import INPUT_USD_PER_MTOK, cost_usd
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.client import bedrock_client
 from agentrun.worker.model_call import PermanentModelError, RetryPolicy, build_request, call_model
+from tests.conftest import run_cli
+from tests.test_prompt_cache import answered, assert_totals_are_the_steps_sum
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 ACCESS_KEY = "AKIDAGENTRUNTEST"
 SECRET_KEY = "agentrun-test-secret-key"

@@ -4,11 +4,7 @@ batches, on a real PostgreSQL."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import prune_bench
+from benchmarks import prune_bench
 
 
 async def test_a_prune_beside_live_appends_deletes_every_old_finished_run_and_no_live_step(

@@ -12,9 +12,9 @@ import uuid
 from collections import Counter
 
 import psycopg
-from workerkit import AGENT
 
 from agentrun.store import Lease, ManifestName, Run, Store
+from tests.workerkit import AGENT
 
 
 async def create(store: Store, namespace: str, n: int, max_attempts: int = 8) -> list[Run]:

@@ -24,10 +24,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import run_cli, start_cli, stop_embedded
-from workerkit import free_port
 
 from agentrun.store import Run, Store
+from tests.conftest import run_cli, start_cli, stop_embedded
+from tests.workerkit import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "migrate-orders.yaml"
 #: The scenario's turn 1 looks for a customers table that the demo database does not have (the

@@ -16,10 +16,10 @@ from uuid import UUID
 
 import psycopg
 import pytest
-from conftest import run_cli
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, echo_scenario, wait_run
 
 from agentrun.store import Lease, Store
+from tests.conftest import run_cli
+from tests.workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, echo_scenario, wait_run
 
 TOOLS = str(TOOLS_DIR / "retry_tools.py")
 BROKEN = {"RETRY_TEST_BROKEN": "1"}

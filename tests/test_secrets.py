@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from agentrun.config import redact_message, redact_url
+from tests.conftest import run_cli
 
 PIECES = ("alpha", "bravo")
 

@@ -19,12 +19,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bench_tools import ODD_PAYLOADS
-from own_pg import OwnPostgres
-from soak import (
+from benchmarks.bench_tools import ODD_PAYLOADS
+from benchmarks.own_pg import OwnPostgres
+from benchmarks.soak import (
     EFFECTS_PER_RUN,
     Report,
     check,
@@ -34,10 +31,11 @@ from soak import (
     odd_turns,
     soak,
 )
+from psycopg.types.json import Jsonb
 
 from agentrun.migrations import migrate
 
-SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -220,9 +218,10 @@ def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
         assert any("step 1 (tool_result) reads back changed" in p for p in report.problems)
     # The command's exit code says so too.
     res = subprocess.run(
-        [sys.executable, str(SOAK), "--check-only", "--database-url", database_url],
+        [sys.executable, "-m", "benchmarks.soak", "--check-only", "--database-url", database_url],
         capture_output=True,
         text=True,
+        cwd=ROOT,  # the benchmarks package is run from the repository root
     )
     assert res.returncode == 1 and "soak: FAILED" in res.stdout
     assert "drop_table happened 2 times" in res.stdout and "dead_letter after" in res.stdout

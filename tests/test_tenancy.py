@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_operator_status import run
 
 from agentrun.errors import ConfigError
 from agentrun.operator.status import status_for
 from agentrun.operator.tenancy import load_tenancy
 from agentrun.store import Quota
+from tests.test_operator_status import run
 
 
 def tenancy(tmp_path: Path, data: object) -> Path:

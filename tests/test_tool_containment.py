@@ -13,9 +13,9 @@ import signal
 from typing import Any
 
 import pytest
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
 
 from agentrun.store import Store
+from tests.workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
 
 TOOLS = str(TOOLS_DIR / "containment_tools.py")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
 
 from agentrun.store import Store
+from tests.workerkit import AGENT, TOOLS_DIR, FakeFactory, Workers, wait_run
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
-from workerkit import Workers
 
 from agentrun.store import Store
+from tests.workerkit import Workers
 
 
 async def test_a_pool_serves_the_union_of_its_recent_tool_sets(

@@ -36,7 +36,6 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 from agentrun.logs import JsonFormatter, RunIdFilter
 from agentrun.manifests import AgentSpec
@@ -45,6 +44,7 @@ from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
 from agentrun.worker.client import anthropic_client
 from agentrun.worker.process import Worker, WorkerSettings
 from agentrun.worker.tracing import exporter_names, setup_tracing
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
 
 MODEL = "claude-sonnet-4-5"
 SECRET = "s3cr3t-customer-42"  # in the task and in a tool's input: never in a span

@@ -16,8 +16,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import run_cli
-from workerkit import (
+from agentrun.fake_anthropic import FakeAnthropicServer
+from agentrun.store import Store
+from tests.conftest import run_cli
+from tests.workerkit import (
     AGENT,
     FakeFactory,
     Workers,
@@ -26,9 +28,6 @@ from workerkit import (
     wait_for,
     wait_run,
 )
-
-from agentrun.fake_anthropic import FakeAnthropicServer
-from agentrun.store import Store
 
 
 def use(workers: Workers, srv: FakeAnthropicServer) -> None:

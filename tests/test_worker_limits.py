@@ -6,9 +6,8 @@ import signal
 import time
 from typing import Any
 
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
-
 from agentrun.store import Store
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 SLEEPY = AGENT.model_copy(update={"tools": ["echo", "sleepy"]})
 

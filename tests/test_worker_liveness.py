@@ -22,15 +22,15 @@ from pathlib import Path
 
 import anthropic
 import pytest
-from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.store import ConnectOptions, Store, connect
 from agentrun.tools import ToolRegistry
 from agentrun.worker.executor import RunHandle
 from agentrun.worker.liveness import Progress
 from agentrun.worker.process import Worker, WorkerSettings
+from tests.proxykit import TcpProxy
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 MARKER = "commit-me-into-a-black-hole"
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from workerkit import FakeFactory, Workers, wait_for, wait_run
 
 from agentrun.manifests import AgentSpec
 from agentrun.store import CHANNEL_RUN_CHANGED, Run, Store
+from tests.workerkit import FakeFactory, Workers, wait_for, wait_run
 
 GATE_AGENT = AgentSpec(model="claude-sonnet-4-5", system="You wait at gates.", tools=["gate"])
 LONG_LEASE = 300.0  # renewed every 100 s: no renewal can find the lease gone within a test

@@ -22,10 +22,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
-from workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.migrations import migrate
 from agentrun.store import Store
+from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for, wait_run
 
 
 @pytest.fixture

@@ -20,13 +20,21 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import run_cli
-from proxykit import TcpProxy
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from workerkit import AGENT, FakeFactory, WorkerProc, Workers, echo_scenario, wait_for, wait_run
 
 from agentrun.migrations import latest_version
 from agentrun.store import Store
+from tests.conftest import run_cli
+from tests.proxykit import TcpProxy
+from tests.workerkit import (
+    AGENT,
+    FakeFactory,
+    WorkerProc,
+    Workers,
+    echo_scenario,
+    wait_for,
+    wait_run,
+)
 
 
 def get(port: int | None, path: str) -> tuple[int, str]:

@@ -25,17 +25,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
-from prometheus_client.registry import Collector
 
+from agentrun.metrics import register_standard_collectors
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 #: Step durations, in seconds: a tool result commits in milliseconds, a model turn (a long
@@ -46,18 +43,6 @@ STEP_SECONDS_BUCKETS = (
 
 #: Model call latency: the step buckets, for a call is most of a model turn's step.
 MODEL_SECONDS_BUCKETS = STEP_SECONDS_BUCKETS[4:]
-
-#: prometheus_client's standard process_*, python_info and python_gc_* collectors. They read
-#: the process's own /proc and gc stats, so the default registry's instances are shared: a
-#: custom registry (one per worker, for tests running several in one process) registers them too.
-STANDARD_COLLECTORS: tuple[Collector, ...] = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
-
-
-def register_standard_collectors(registry: CollectorRegistry) -> None:
-    """process_cpu_seconds_total, process_resident_memory_bytes, ... on this registry."""
-    for collector in STANDARD_COLLECTORS:
-        registry.register(collector)
-
 
 class WorkerMetrics:
     """The worker's Prometheus metrics, in a registry of their own (one per worker)."""

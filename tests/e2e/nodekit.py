@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kubekit import wait_until as wait_for
+
+from tests.kubekit import wait_until as wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_IP = "10.244.77.1"

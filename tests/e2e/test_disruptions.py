@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,8 +30,10 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from helmtools import helm, kubectl
-from nodekit import (
+from benchmarks.own_pg import OwnPostgres
+
+from agentrun.migrations import migrate
+from tests.e2e.nodekit import (
     NAMESPACE,
     NODE_IP,
     NODE_NAME,
@@ -46,12 +47,8 @@ from nodekit import (
     start_model_server,
     wait_for,
 )
-from proxykit import TcpProxy
-
-from agentrun.migrations import migrate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from own_pg import OwnPostgres
+from tests.helmtools import helm, kubectl
+from tests.proxykit import TcpProxy
 
 # Building the image (~2.5 min on a fresh machine) is part of the first test's setup.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]

@@ -9,6 +9,7 @@ VALUES (%(id)s, %(model)s, %(system)s, %(tools)s, %(params)s)
 ON CONFLICT (id) DO NOTHING;
 
 -- get_prompt_version --
+-- One pinned prompt version (model, system, tools, params) by its content address.
 SELECT id, model, system, tools::text AS tools, params::text AS params
   FROM prompt_version WHERE id = %(id)s;
 
@@ -23,12 +24,15 @@ ON CONFLICT DO NOTHING
 RETURNING *;
 
 -- get_run_by_external_key --
+-- The run an external key (an AgentRun's uid) created, for a replayed create.
 SELECT * FROM agent_run WHERE external_key = %(external_key)s;
 
 -- get_run --
+-- One run by id.
 SELECT * FROM agent_run WHERE id = %(id)s;
 
 -- list_runs --
+-- Runs newest first, optionally of one pool, status and namespace (`agentrun get`).
 SELECT * FROM agent_run
  WHERE (%(pool)s::text IS NULL OR pool = %(pool)s)
    AND (%(status)s::text IS NULL OR status = %(status)s)
@@ -124,6 +128,7 @@ SELECT count(*)::integer FROM agent_run WHERE k8s_namespace = %(namespace)s AND 
 LOCK TABLE agent_run IN SHARE MODE;
 
 -- upsert_quota --
+-- A new quota row with its counted running runs (or a recount, when a concurrent call made it).
 INSERT INTO namespace_quota (namespace, max_running, running)
 VALUES (%(namespace)s, %(max_running)s, %(running)s)
 ON CONFLICT (namespace) DO UPDATE
@@ -136,9 +141,11 @@ UPDATE namespace_quota SET max_running = %(max_running)s, updated_at = now()
 RETURNING running;
 
 -- delete_quota --
+-- Drop a namespace's quota: its runs are claimed without a limit from then on.
 DELETE FROM namespace_quota WHERE namespace = %(namespace)s RETURNING namespace;
 
 -- list_quotas --
+-- Every namespace quota with its limit and running count.
 SELECT namespace, max_running, running FROM namespace_quota ORDER BY namespace;
 
 -- append_step --
@@ -185,6 +192,7 @@ UPDATE agent_run SET prompt_version = coalesce(prompt_version, %(prompt_version)
 RETURNING prompt_version;
 
 -- renew_lease --
+-- The heartbeat: pushes the lease out by the TTL while this worker holds the run. Fenced.
 UPDATE agent_run
    SET lease_until = now() + make_interval(secs => %(ttl)s)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
@@ -204,6 +212,7 @@ UPDATE agent_run
 RETURNING id;
 
 -- finish_run --
+-- A run's terminal status, result and error, its lease given up. Fenced.
 UPDATE agent_run
    SET status = %(status)s, result = %(result)s, error = %(error)s,
        lease_owner = NULL, lease_until = NULL, finished_at = now()
@@ -230,6 +239,7 @@ RETURNING *;
 SELECT status, lease_owner, lease_epoch FROM agent_run WHERE id = %(run_id)s;
 
 -- list_steps --
+-- Every step of a run, in order.
 SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
   FROM agent_step WHERE run_id = %(run_id)s ORDER BY seq;
 
@@ -253,6 +263,7 @@ SELECT 1;
 SELECT pg_advisory_xact_lock(7146120421);
 
 -- create_migration_table --
+-- The table recording applied migrations (the first migration cannot create it).
 CREATE TABLE IF NOT EXISTS agentrun_migration (
     version     integer PRIMARY KEY,
     name        text NOT NULL,
@@ -260,12 +271,15 @@ CREATE TABLE IF NOT EXISTS agentrun_migration (
 );
 
 -- applied_migrations --
+-- The versions already applied.
 SELECT version FROM agentrun_migration ORDER BY version;
 
 -- record_migration --
+-- Note one migration as applied, in the transaction that applied it.
 INSERT INTO agentrun_migration (version, name) VALUES (%(version)s, %(name)s);
 
 -- schema_version --
+-- The newest migration applied (0 on an empty table).
 SELECT coalesce(max(version), 0) AS version FROM agentrun_migration;
 
 -- abandon_run --
@@ -287,9 +301,11 @@ SELECT min(lease_until) - now() AS wait FROM agent_run
    AND lease_owner IS DISTINCT FROM %(worker)s;
 
 -- run_statuses --
+-- Status and epoch of several runs at once (a worker checking the runs it holds).
 SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
 
 -- list_effects --
+-- The recorded tool effects of one step.
 SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, compensate,
        attempts
   FROM tool_effect WHERE run_id = %(run_id)s AND seq = %(seq)s;
@@ -310,6 +326,7 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
  ORDER BY e.seq DESC, e.call_index DESC;
 
 -- begin_rollback --
+-- Mark the run as rolling back (the first reason stays). Fenced.
 UPDATE agent_run SET rollback_reason = coalesce(rollback_reason, %(reason)s)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
@@ -366,6 +383,7 @@ SELECT decision, decided_by, reason, decided_at, attempt FROM approval
    AND stage = %(stage)s AND attempt = %(attempt)s;
 
 -- insert_approval --
+-- Record a decision on one attempt of one call; a second decision on it is ignored.
 INSERT INTO approval (run_id, seq, call_index, stage, attempt, decision, decided_by, reason)
 VALUES (%(run_id)s, %(seq)s, %(call_index)s, %(stage)s, %(attempt)s, %(decision)s,
         %(decided_by)s, %(reason)s)
@@ -398,6 +416,7 @@ UPDATE agent_run
 RETURNING pending_call;
 
 -- pending_call --
+-- The call a run waits on, locked so one decision at a time resumes it.
 SELECT status, pending_call FROM agent_run WHERE id = %(run_id)s FOR UPDATE;
 
 -- request_rollback --
@@ -547,6 +566,7 @@ ON CONFLICT (run_id, follower) DO UPDATE SET until = EXCLUDED.until
 RETURNING until;
 
 -- unfollow_run --
+-- A follower (`agentrun logs -f`) stops following a run.
 DELETE FROM run_follower WHERE run_id = %(run_id)s AND follower = %(follower)s;
 
 -- register_toolset --
