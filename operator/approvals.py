@@ -46,11 +46,11 @@ from pydantic import ValidationError
 from agentrun.errors import AgentrunError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRunApprovalSpec
-from agentrun.operator.app import DB_ERRORS, OperatorApp, backoff
+from agentrun.operator.app import OperatorApp, backoff
 from agentrun.operator.crds import GROUP, VERSION, AgentRunApprovalStatus
 from agentrun.operator.kube import Gone, NotFound
 from agentrun.operator.status import Cond, Event, Reason, now_iso, one_line, set_condition
-from agentrun.store import Approval, Store
+from agentrun.store import DB_ERRORS, Approval, Store
 
 log = logging.getLogger(__name__)
 

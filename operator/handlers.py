@@ -42,7 +42,7 @@ from agentrun.errors import ConfigError, DatabaseUnavailable
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRef, AgentRunSpec, AgentSpec
 from agentrun.operator import approvals
-from agentrun.operator.app import DB_ERRORS, OperatorApp
+from agentrun.operator.app import OperatorApp
 from agentrun.operator.crds import GROUP, VERSION
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
@@ -58,7 +58,7 @@ from agentrun.operator.status import (
     set_condition,
     status_for,
 )
-from agentrun.store import TERMINAL_STATUSES, K8sRef, Store
+from agentrun.store import DB_ERRORS, TERMINAL_STATUSES, K8sRef, Store
 
 log = logging.getLogger(__name__)
 
