@@ -51,6 +51,7 @@ from agentrun.operator.crds import GROUP, VERSION, AgentRunApprovalStatus
 from agentrun.operator.kube import Gone, NotFound
 from agentrun.operator.status import Cond, Event, Reason, now_iso, one_line, set_condition
 from agentrun.store import DB_ERRORS, Approval, Store
+from agentrun.supervise import describe, watch
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,12 @@ def register(registry: kopf.OperatorRegistry, app: Callable[[], OperatorApp]) ->
             return
         if status.get("phase") in DONE_PHASES or uid in working or uid in finished:
             return
-        working[uid] = asyncio.create_task(
+        working[uid] = watch(asyncio.create_task(
             _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
                    dict(status), lambda: done(uid)),
-            name=f"approval-{uid}")
+            name=f"approval-{uid}"),
+            lambda exc: log.error("AgentRunApproval %s/%s: failed: %s", namespace, name,
+                                  describe(exc)))
 
 
 async def _apply(

@@ -153,3 +153,31 @@ async def test_a_listener_that_dies_stops_the_worker_with_a_line(
         await store.close()
         await client.close()
     no_unretrieved(unretrieved)
+
+
+async def test_watch_hands_over_a_failure_or_an_unexpected_return_and_nothing_else(
+    unretrieved: list[str],
+) -> None:
+    # The helper the operator's background tasks and the mirror's patches are watched with.
+    from agentrun.supervise import TaskEnded, watch
+
+    failures: list[BaseException] = []
+
+    async def fails() -> None:
+        raise Injected("boom")
+
+    async def returns() -> None:
+        return None
+
+    tasks = [
+        watch(asyncio.create_task(fails()), failures.append),
+        watch(asyncio.create_task(returns()), failures.append, forever=True),
+        watch(asyncio.create_task(returns()), failures.append),  # may return: quiet
+        watch(asyncio.create_task(asyncio.Event().wait()), failures.append),
+    ]
+    tasks[3].cancel()  # cancelled: quiet
+    await asyncio.wait(tasks)
+    await asyncio.sleep(0)  # the done callbacks run on the next turn of the loop
+    assert [type(f) for f in failures] == [Injected, TaskEnded], failures
+    del tasks
+    no_unretrieved(unretrieved)
