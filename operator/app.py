@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -49,23 +51,16 @@ from agentrun.operator.status import Event, one_line
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_READY,
+    DB_ERRORS,
     ConnectOptions,
     Run,
     Store,
     connect,
 )
+from agentrun.supervise import describe, watch
 from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
-
-#: Errors that mean "the database is not answering" (an outage: back off and retry), as opposed
-#: to a bug or a bad schema, which are logged with their traceback.
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    psycopg.OperationalError,
-    psycopg.InterfaceError,
-    DatabaseUnavailable,
-    OSError,
-)
 
 
 def backoff(attempt: int, cap: float = 30.0) -> float:
@@ -120,8 +115,19 @@ class OperatorApp:
                     f"--health-port {s.health_port} (AGENTRUN_HEALTH_PORT): cannot listen on "
                     f"{s.health_host} ({reason}); free it or choose another port (-1 turns it "
                     "off)")
-        self._tasks.append(asyncio.create_task(self._main(), name="agentrun-operator"))
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="agentrun-health"))
+        for coro, name in ((self._main(), "agentrun-operator"),
+                           (self._health_loop(), "agentrun-health")):
+            task = asyncio.create_task(coro, name=name)
+            self._tasks.append(watch(task, functools.partial(self._task_died, name),
+                                     forever=True))
+
+    def _task_died(self, name: str, exc: BaseException) -> None:
+        """A background task ended though it runs until stop(): the operator would go on with
+        no status mirror, autoscaler or readiness. (Its loops restart after an error by design,
+        _forever; what ends a task is what they do not retry.) It stops, with a line saying
+        why, and the Deployment starts it again; kopf stops on SIGTERM as on a pod's."""
+        log.critical("%s task failed (%s); stopping the operator", name, describe(exc))
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -264,7 +270,10 @@ class OperatorApp:
         previous = self._outage_task
         if previous is not None and not previous.done():
             previous.cancel()
-        self._outage_task = asyncio.create_task(self.mirror.set_db_condition(up))
+        self._outage_task = watch(
+            asyncio.create_task(self.mirror.set_db_condition(up)),
+            lambda exc: log.warning("could not set the DatabaseAvailable condition: %s",
+                                    describe(exc)))
 
     # -- readiness ----------------------------------------------------------------------------
 

@@ -56,10 +56,11 @@ from agentrun.operator.api import (
     CondType,
     Reason,
 )
-from agentrun.operator.app import APP, DB_ERRORS, OperatorApp, backoff, memo_get
+from agentrun.operator.app import APP, OperatorApp, backoff, memo_get
 from agentrun.operator.kube import Gone, NotFound
 from agentrun.operator.status import Cond, Event, now_iso, one_line, set_condition
-from agentrun.store import Approval, Store
+from agentrun.store import DB_ERRORS, Approval, Store
+from agentrun.supervise import describe, watch
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,12 @@ async def approval(
     if status.get("phase") in DONE_PHASES or uid in working.tasks or uid in working.finished:
         return
     app = memo_get(memo, APP, OperatorApp)
-    working.tasks[uid] = asyncio.create_task(
+    working.tasks[uid] = watch(asyncio.create_task(
         _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
                dict(status), lambda: working.done(uid)),
-        name=f"approval-{uid}")
+        name=f"approval-{uid}"),
+        lambda exc: log.error("AgentRunApproval %s/%s: failed: %s", namespace, name,
+                              describe(exc)))
 
 
 async def _apply(

@@ -55,7 +55,7 @@ from agentrun.operator.api import (
     CondType,
     Reason,
 )
-from agentrun.operator.app import APP, DB_ERRORS, OperatorApp, memo_get
+from agentrun.operator.app import APP, OperatorApp, memo_get
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
@@ -68,7 +68,7 @@ from agentrun.operator.status import (
     set_condition,
     status_for,
 )
-from agentrun.store import K8sRef, Store
+from agentrun.store import DB_ERRORS, K8sRef, Store
 from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)

@@ -42,6 +42,7 @@ from agentrun.operator.status import (
     transitions,
 )
 from agentrun.store import Quota, Run, Store
+from agentrun.supervise import describe, watch
 from agentrun.vocabulary import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,9 @@ class StatusMirror:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A condition patch is informative: one that fails is said, and the next resync puts
+        # the condition right; never an unretrieved exception.
+        watch(task, lambda exc: log.warning("could not patch a condition: %s", describe(exc)))
 
     def notify(self, run_id: UUID) -> None:
         self._dirty.add(run_id)

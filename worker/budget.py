@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agentrun.manifests import BudgetSpec
 from agentrun.pricing import PriceTable
 from agentrun.store import Run, Step
 
@@ -58,14 +59,21 @@ def turn_tokens(usage: Mapping[str, Any]) -> int:
 
 
 def over_budget(
-    budget: Mapping[str, Any] | None, spend: Spend, model: str, prices: PriceTable, caching: bool
+    budget: BudgetSpec | Mapping[str, Any] | None,
+    spend: Spend,
+    model: str,
+    prices: PriceTable,
+    caching: bool,
 ) -> tuple[str, str] | None:
     """(the limit, why) when the next model turn would pass the run's budget, else None.
 
-    ``budget`` is the pinned agent spec's ``budget`` (camelCase, as the manifest spells it)."""
-    if not budget:
+    ``budget`` is the pinned agent spec's ``budget`` (or its camelCase dict, as the manifest
+    spells it)."""
+    if budget is not None and not isinstance(budget, BudgetSpec):
+        budget = BudgetSpec.model_validate(budget)
+    if budget is None:
         return None
-    max_tokens = budget.get("maxTokens")
+    max_tokens = budget.max_tokens
     if max_tokens is not None and spend.tokens + spend.floor_tokens > max_tokens:
         return "maxTokens", (
             f"budget: spec.budget.maxTokens {max_tokens} would be passed by the next model turn "
@@ -73,7 +81,7 @@ def over_budget(
             f"{spend.floor_tokens}); stopped before it. Raise spec.budget.maxTokens (on the "
             "AgentRun or its Agent) in a new AgentRun to go further"
         )
-    max_cost = budget.get("maxCostUSD")
+    max_cost = budget.max_cost_usd
     if max_cost is not None:
         # The cheapest a re-sent token can be: a cache read where the prompt is cached.
         rates = prices.prices_for(model)

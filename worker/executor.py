@@ -46,7 +46,8 @@ from agentrun.worker.budget import Spend, over_budget, turn_tokens
 from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
-from agentrun.worker.model_call import ModelTurn, RetryPolicy, build_request, call_model
+from agentrun.worker.model_call import ModelTurn, build_request, call_model
+from agentrun.worker.settings import RetryPolicy
 from agentrun.worker.tracing import RunTracer
 
 log = logging.getLogger("agentrun.worker.run")
@@ -139,8 +140,8 @@ def final_text(payload: dict[str, Any]) -> str:
 
 def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
     """Resolve the run's pinned agent spec against this worker's tools (first claim only)."""
-    spec = run.agent_spec
-    names: list[str] = list(spec.get("tools", []))
+    spec = run.agent
+    names: list[str] = list(spec.tools)
     missing = registry.check(names)
     if missing:
         known = ", ".join(registry.names()) or "none"
@@ -148,15 +149,15 @@ def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
             f"unknown tool(s) {', '.join(missing)}: not in this worker's registry "
             f"(loaded: {known}); start the worker with --tools MODULE that defines them"
         )
-    params: dict[str, Any] = {"max_tokens": int(spec.get("maxTokens", 8192))}
+    params: dict[str, Any] = {"max_tokens": spec.max_tokens}
     # Pinned with the prompt version, so a resumed run places the same breakpoints (or none).
-    if spec.get("promptCaching", True):
+    if spec.prompt_caching:
         params["prompt_caching"] = True
-    if spec.get("thinking"):
-        params["thinking"] = {"budget_tokens": int(spec["thinking"]["budgetTokens"])}
+    if spec.thinking is not None:
+        params["thinking"] = {"budget_tokens": spec.thinking.budget_tokens}
     return PromptVersion(
         model=run.model,
-        system=str(spec.get("system", "")),
+        system=spec.system,
         tools=registry.definitions(names),
         params=params,
     )
@@ -226,6 +227,13 @@ class RunExecutor:
     async def advance(self, h: RunHandle) -> str | None:
         """Run until the run ends (returns None) or the worker drains (returns "drain")."""
         run = h.run
+        try:
+            agent = run.agent
+        except ValueError as exc:  # pydantic's ValidationError
+            raise RunFailed(
+                "the run's pinned agent spec does not validate: "
+                + " ".join(str(exc).split())[:300]
+            ) from None
         pv = await self.pinned_prompt(h)
         steps = await self.store.steps(run.id)
         if [s.seq for s in steps] != list(range(len(steps))):
@@ -234,7 +242,7 @@ class RunExecutor:
         seq = len(steps)
         turns = sum(1 for s in steps if s.kind == "model_turn")
         spend = Spend.of(run, steps)
-        budget = run.agent_spec.get("budget")
+        budget = agent.budget
         last: tuple[str, dict[str, Any]] | None = (
             (steps[-1].kind, steps[-1].payload) if steps else None
         )
@@ -329,7 +337,7 @@ class RunExecutor:
         credentials are missing here) fails the run at once, before any model call, with the
         line naming what to set: every retry and every attempt would fail alike."""
         try:
-            return await self.clients.get(h.run.provider)
+            return await self.clients.get(h.run.agent.provider)
         except ProviderUnavailable as exc:
             raise RunFailed(str(exc)) from None
 
@@ -436,7 +444,7 @@ class RunExecutor:
         a human instead of guessing."""
         name, args = block["name"], block.get("input") or {}
         result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
-        granted = [str(t) for t in h.run.agent_spec.get("tools") or []]
+        granted = h.run.agent.tools
         if name not in granted:
             # The run's pinned tools are all it may call: a model talked into calling another
             # tool this worker happens to have loaded (a tool result saying "call drop_table")
@@ -521,7 +529,7 @@ class RunExecutor:
                         + (f" ({decision.reason})" if decision.reason else ""),
                         "is_error": True}
             return None
-        if h.run.agent_spec.get("requireApproval"):
+        if h.run.agent.require_approval:
             decision = await self.store.get_approval(h.run.id, seq, index, "before_call")
             if decision is None:
                 raise WaitForApproval(

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,9 +39,10 @@ from typing import Any
 import anthropic
 import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
 
-from agentrun.config import DEFAULT_MODEL_DEADLINE
+from agentrun.manifests import DEFAULT_MAX_TOKENS
 from agentrun.store import PromptVersion, canonical_json
 from agentrun.worker.client import ModelClient
+from agentrun.worker.settings import RetryPolicy
 
 log = logging.getLogger("agentrun.worker.model")
 
@@ -74,29 +74,6 @@ class ModelTurn:
     cache_write_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    max_retries: int = 8
-    base_delay: float = 0.5
-    max_delay: float = 30.0
-    # One call, from the request to the assembled message; each retry gets a new one.
-    deadline: float = DEFAULT_MODEL_DEADLINE
-
-    def delay(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return min(retry_after, MAX_RETRY_AFTER) + random.uniform(
-                0, 0.1 * max(min(retry_after, MAX_RETRY_AFTER), 0.1))
-        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
-
-    def bound(self) -> float:
-        """The longest one :func:`call_model` can take, retries and backoffs included: every
-        try ends by its deadline, so the liveness clock (worker/liveness.py) can count the whole
-        call as progress up to here and no further."""
-        backoff = max(self.max_delay, MAX_RETRY_AFTER * 1.1)
-        return (self.max_retries + 1) * self.deadline + self.max_retries * backoff
-
-
-MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
 
 
 TRANSIENT_STATUS = {408, 409, 429}
@@ -199,7 +176,7 @@ def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str
         history, tools, system = place_breakpoints(history, tools, system)
     req: dict[str, Any] = {
         "model": pv.model,
-        "max_tokens": int(pv.params.get("max_tokens", 8192)),
+        "max_tokens": int(pv.params.get("max_tokens", DEFAULT_MAX_TOKENS)),
         "messages": _canonical(history),
     }
     if system:

@@ -29,16 +29,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 from uuid import UUID
 
 import psycopg
@@ -46,27 +44,29 @@ from aiohttp import web
 from opentelemetry.trace import TracerProvider
 from psycopg_pool import PoolTimeout
 
-from agentrun.config import DEFAULT_MODEL_DEADLINE
-from agentrun.errors import ConfigError, DatabaseUnavailable, LeaseLost, RunCancelled
+from agentrun.errors import (
+    AgentrunError,
+    ConfigError,
+    DatabaseUnavailable,
+    LeaseLost,
+    RunCancelled,
+)
 from agentrun.logs import current_run_id
-from agentrun.manifests import pool_problem
 from agentrun.migrations import latest_version, schema_version
-from agentrun.pricing import BUILT_IN, PriceTable
-from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, Store, check_connect
-from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry
+from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, DB_ERRORS, Store
+from agentrun.supervise import describe, watch
+from agentrun.tools import ToolRegistry
 from agentrun.worker.client import ModelClient, Providers
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
-from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
-from agentrun.worker.model_call import PermanentModelError, RetryPolicy, TransientExhausted
+from agentrun.worker.model_call import PermanentModelError, TransientExhausted
+from agentrun.worker.settings import WorkerSettings, check_settings
 from agentrun.worker.tracing import RunTracer
 
 log = logging.getLogger("agentrun.worker")
 
 #: Where the control listener (/drain) binds: only the pod itself can reach it.
 CONTROL_HOST = "127.0.0.1"
-
-DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 
 #: A worker waiting for its schema checks again after 0.5 s, then twice as long each time up to
 #: this (and within a quarter of its liveness threshold, which each successful check stamps): a
@@ -76,13 +76,67 @@ SCHEMA_RECHECK_MAX = 5.0
 #: still shows why a pod is not ready.
 SCHEMA_WAIT_REMINDER = 600.0
 
+#: Failures of a store update that must not take a run's task down (Worker._quietly).
+_NOT_WORTH_THE_RUN: tuple[type[BaseException], ...] = (LeaseLost, *DB_ERRORS)
+
+
+class SideTaskFailed(AgentrunError):
+    """A side task the worker cannot work without died: the worker drained and stopped."""
+
+
 #: Ends of a hold that are no failure of the attempt: its trace's status stays unset.
 NOT_FAILURES = (RunCancelled, WaitForApproval)
 
+T = TypeVar("T")
 
-async def until_database(url: str) -> bool:
-    """Return True once the database accepts a connection; False if SIGTERM or SIGINT came
-    first. Before the worker opens its pool and serves.
+
+@dataclass(frozen=True)
+class Again:
+    """What a try of :func:`until_done` returns when it is not done: try again after
+    ``delay`` seconds."""
+
+    delay: float
+
+
+def backoff(failures: int, base: float, doublings: int) -> float:
+    """``base`` doubled at each failure in a row, ``doublings`` times at most, up to
+    :data:`SCHEMA_RECHECK_MAX` seconds."""
+    return min(SCHEMA_RECHECK_MAX, base * 2.0 ** min(failures, doublings))
+
+
+class Reminder:
+    """Says a waiting line at once and then again every :data:`SCHEMA_WAIT_REMINDER` seconds,
+    not at every try, so that `kubectl logs --since=...` still shows why a pod waits."""
+
+    def __init__(self) -> None:
+        self.said_at: float | None = None
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if self.said_at is not None and now - self.said_at < SCHEMA_WAIT_REMINDER:
+            return False
+        self.said_at = now
+        return True
+
+
+async def until_done(attempt: Callable[[], Awaitable[T | Again]], stop: asyncio.Event) -> T | None:
+    """Try ``attempt`` until it returns something else than :class:`Again` (returned), waiting
+    the delay it asks for between tries; None once ``stop`` is set (a signal, a drain). The one
+    loop of the worker's start-up waits: for the database (:func:`until_store`) and for its
+    schema (:meth:`Worker._until_schema`); each try says what it logs and how long to wait."""
+    while not stop.is_set():
+        outcome = await attempt()
+        if not isinstance(outcome, Again):
+            return outcome
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=outcome.delay)
+    return None
+
+
+async def until_store(open_store: Callable[[], Awaitable[Store]]) -> Store | None:
+    """The store once the database accepts a connection (``open_store`` is
+    :meth:`Store.open`, whose first step is the one connection check of the start-up); None if
+    SIGTERM or SIGINT came first. Before the worker serves.
 
     On a fresh install with the chart's own PostgreSQL the worker pods start with the database;
     exiting at the first refused connection made the kubelet restart them (issue 19). Waiting
@@ -93,100 +147,30 @@ async def until_database(url: str) -> bool:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    failures = 0
+    waiting = Reminder()
+
+    async def attempt() -> Store | Again:
+        nonlocal failures
+        try:
+            store = await open_store()
+        except DatabaseUnavailable as exc:
+            failures += 1
+            if waiting.due():
+                log.warning("waiting for the database: %s; retrying until it answers", exc)
+            return Again(backoff(failures, 0.25, 5))
+        if waiting.said_at is not None:
+            log.info("the database answers: no longer waiting")
+        return store
+
     try:
-        failures = 0
-        said_at: float | None = None
-        while not stop.is_set():
-            try:
-                await check_connect(url)
-            except DatabaseUnavailable as exc:
-                failures += 1
-                now = time.monotonic()
-                if said_at is None or now - said_at >= SCHEMA_WAIT_REMINDER:
-                    log.warning("waiting for the database: %s; retrying until it answers", exc)
-                    said_at = now
-                delay = min(SCHEMA_RECHECK_MAX, 0.25 * 2 ** min(failures, 5))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-            else:
-                if said_at is not None:
-                    log.info("the database answers: no longer waiting")
-                return True
-        log.info("stopped while waiting for the database")
-        return False
+        store = await until_done(attempt, stop)
+        if store is None:
+            log.info("stopped while waiting for the database")
+        return store
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-
-
-@dataclass
-class WorkerSettings:
-    pool: str = "default"
-    concurrency: int = 4
-    # 15 s: a SIGKILLed worker's runs resume 15 s later, while a GC pause, a slow commit or a
-    # database fail-over shorter than that costs nothing. Renewals (every 5 s, only when no commit
-    # renewed) cost 0.2 queries/s per held run. The seed's 60 s makes every crash cost a minute.
-    lease_ttl: float = 15.0
-    poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
-    drain_grace: float = 25.0  # under Kubernetes' default terminationGracePeriodSeconds of 30
-    liveness_threshold: float = 60.0
-    progress_budget: float = DEFAULT_PROGRESS_BUDGET  # see worker/liveness.py
-    tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
-    health_host: str = "0.0.0.0"
-    health_port: int | None = 8080  # None: no health server; 0: any free port
-    # Loopback only, whatever the health host: /drain stops the worker.
-    # None (in-process workers, tests): no control listener; `agentrun worker` passes
-    # --control-port, default DEFAULT_CONTROL_PORT. 0: any free port.
-    control_port: int | None = None
-    worker_id: str = field(default_factory=default_worker_id)
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    prices: PriceTable = BUILT_IN  # --prices FILE (agentrun.pricing.load_prices)
-
-
-def check_settings(s: WorkerSettings) -> None:
-    """Refuse settings a worker cannot work with, naming the flag, its variable and the fix.
-
-    Each of these used to start a worker that did harm or nothing: a negative lease TTL
-    dead-lettered every run it claimed (each claim expired at once and was claimed again),
-    concurrency 0 never claimed, a negative one failed deep in the connection pool."""
-    def bad(flag: str, value: object, fix: str) -> ConfigError:
-        env = "AGENTRUN_" + flag.removeprefix("--").replace("-", "_").upper()
-        return ConfigError(f"{flag} {value} ({env}): {fix}")
-
-    finite = math.isfinite
-    if (problem := pool_problem(s.pool)) is not None:
-        shown = repr(s.pool) if len(s.pool) <= 80 else f"{s.pool[:40]!r}... ({len(s.pool)} chars)"
-        raise bad("--pool", shown, problem)
-    if s.concurrency < 1:
-        raise bad("--concurrency", s.concurrency, "must be at least 1 (runs held at once)")
-    if not (finite(s.lease_ttl) and s.lease_ttl >= 1):
-        raise bad("--lease-ttl", s.lease_ttl, "must be at least 1 (seconds; default 15)")
-    if not (finite(s.poll_interval) and s.poll_interval > 0):
-        raise bad("--poll-interval", s.poll_interval, "must be more than 0 (seconds; default 5)")
-    if not (finite(s.drain_grace) and s.drain_grace >= 0):
-        raise bad("--drain-grace", s.drain_grace, "must be 0 or more (seconds; default 25)")
-    if not (finite(s.liveness_threshold) and s.liveness_threshold > 0):
-        raise bad("--liveness-threshold", s.liveness_threshold,
-                  "must be more than 0 (seconds; default 60)")
-    if s.health_port is not None and not 0 <= s.health_port <= 65535:
-        raise bad("--health-port", s.health_port, "choose 1-65535, 0 for any, -1 to turn it off")
-    if s.retry.max_retries < 0:
-        raise bad("--model-retries", s.retry.max_retries, "must be 0 or more (default 8)")
-    if not (finite(s.retry.deadline) and s.retry.deadline > 0):
-        raise bad("--model-deadline", s.retry.deadline,
-                  f"must be more than 0 (seconds one model call may take; default "
-                  f"{DEFAULT_MODEL_DEADLINE:g})")
-    if not (finite(s.tool_timeout) and s.tool_timeout > 0):
-        raise bad("--tool-timeout", s.tool_timeout,
-                  f"must be more than 0 (seconds a tool call may take unless it declares "
-                  f"@tool(timeout=...); default {DEFAULT_TOOL_TIMEOUT:g})")
-    if not (finite(s.progress_budget) and s.progress_budget > 0):
-        raise bad("--progress-budget", s.progress_budget,
-                  f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")
 
 
 class Worker:
@@ -202,7 +186,9 @@ class Worker:
         """``client``: the clients by provider, or one client for every run (its provider
         whatever it is: an in-process worker's, a test's)."""
         check_settings(settings)
-        self.store = store
+        # The store owns the lease TTL (the claim's, every fenced write's and renewal's); a
+        # store opened with another (an in-process worker's, a test's) is viewed with this one.
+        self.store = store.with_lease_ttl(settings.lease_ttl)
         self.settings = settings
         self.metrics = WorkerMetrics()
         self.health = Health(
@@ -236,6 +222,8 @@ class Worker:
         self._draining = asyncio.Event()
         self.health_port: int | None = None
         self.control_port: int | None = None
+        #: Why a side task the worker cannot do without died (it then drains and stops).
+        self._side_failure: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -253,13 +241,18 @@ class Worker:
         try:
             await self._until_schema()
             await self._register_tools()
-            listener = asyncio.create_task(self._listen(), name="listener")
+            listener = watch(asyncio.create_task(self._listen(), name="listener"),
+                             self._listener_died, forever=True)
             await self._until_listening()
             self.health.ready = True
             await self._claim_loop()
             await self._drain()
             log.info("drained: no run held")
             self._drained.set()
+            if self._side_failure is not None:
+                raise SideTaskFailed(
+                    f"the worker stopped: its {self._side_failure}; every run was handed back"
+                )
             if self._drain_requested_over_http:
                 # The preStop hook drained us; Kubernetes sends SIGTERM once it returns. Exiting
                 # before that would look like a crash and restart the container.
@@ -320,59 +313,59 @@ class Worker:
         of a rolled-back image and stop all runs, the worst answer to a rollback."""
         s = self.settings
         need = latest_version()
-        said_at: float | None = None
+        waiting = Reminder()
         failures = checks = 0
-        while not self.draining:
+
+        async def attempt() -> bool | Again:
+            nonlocal failures, checks
             try:
                 async with self.store.pool.connection() as conn:
                     have = await schema_version(conn)
             except DB_ERRORS as exc:
                 # No liveness stamp: a database that stays away is an outage (invariant 8).
                 failures += 1
-                delay = min(SCHEMA_RECHECK_MAX, 0.5 * 2 ** min(failures, 4))
+                delay = backoff(failures, 0.5, 4)
                 log.warning(
                     "schema check failed (%s); database unreachable? retry in %.1fs",
                     " ".join(str(exc).split())[:200],
                     delay,
                 )
-            else:
-                failures = 0
-                self.health.progress()  # waiting for the schema is not being wedged
-                if have == need:
-                    self.health.waiting_for = None
-                    if said_at is not None:
-                        log.info("database schema at version %d: no longer waiting", have)
-                    return
-                if have > need:
-                    log.warning(
-                        "the database schema is at version %d, newer than this worker knows "
-                        "(%d); working on, but upgrade the worker to the "
-                        "agentrun release that migrated it",
-                        have,
-                        need,
-                    )
-                    self.health.waiting_for = None
-                    return
-                self.health.waiting_for = (
-                    f"database schema version {need} (it is at {have}): run `agentrun migrate`, "
-                    "or let the operator migrate it"
+                return Again(delay)
+            failures = 0
+            self.health.progress()  # waiting for the schema is not being wedged
+            if have == need:
+                self.health.waiting_for = None
+                if waiting.said_at is not None:
+                    log.info("database schema at version %d: no longer waiting", have)
+                return True
+            if have > need:
+                log.warning(
+                    "the database schema is at version %d, newer than this worker knows "
+                    "(%d); working on, but upgrade the worker to the "
+                    "agentrun release that migrated it",
+                    have,
+                    need,
                 )
-                now = time.monotonic()
-                if said_at is None or now - said_at >= SCHEMA_WAIT_REMINDER:
-                    log.warning(
-                        "waiting for the database schema: it is at version %d, this worker "
-                        "needs version %d; run `agentrun migrate` (the operator does at "
-                        "start-up unless --no-migrate). Not ready until then",
-                        have,
-                        need,
-                    )
-                    said_at = now
-                # Quick at first (the operator usually migrates within seconds of the install),
-                # then every few seconds.
-                checks += 1
-                delay = min(SCHEMA_RECHECK_MAX, s.liveness_threshold / 4, 0.25 * 2**checks)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._draining.wait(), timeout=delay)
+                self.health.waiting_for = None
+                return True
+            self.health.waiting_for = (
+                f"database schema version {need} (it is at {have}): run `agentrun migrate`, "
+                "or let the operator migrate it"
+            )
+            if waiting.due():
+                log.warning(
+                    "waiting for the database schema: it is at version %d, this worker "
+                    "needs version %d; run `agentrun migrate` (the operator does at "
+                    "start-up unless --no-migrate). Not ready until then",
+                    have,
+                    need,
+                )
+            # Quick at first (the operator usually migrates within seconds of the install),
+            # then every few seconds.
+            checks += 1
+            return Again(min(backoff(checks, 0.25, checks), s.liveness_threshold / 4))
+
+        await until_done(attempt, self._draining)
 
     async def _until_listening(self) -> None:
         """Ready, and the first claim, only once LISTEN is open: a run created from then on
@@ -485,7 +478,7 @@ class Worker:
             if free > 0:
                 try:
                     sent = time.monotonic()  # the leases run from no earlier than this
-                    result = await self.store.claim(s.pool, s.worker_id, free, ttl=s.lease_ttl)
+                    result = await self.store.claim(s.pool, s.worker_id, free)
                     if not result.claimed:
                         expiry = await self.store.next_lease_expiry(s.pool, s.worker_id)
                         if expiry is not None:
@@ -516,14 +509,19 @@ class Worker:
         self.metrics.claims.inc()
         self.active[h.run.id] = h
         self.metrics.active_runs.set(len(self.active))
-        h.task = asyncio.create_task(self._hold(h), name=f"run-{h.run.id}")
+        # _hold handles every end of the run; what escapes it (a failure while giving the run
+        # up) is logged, never left unretrieved.
+        h.task = watch(asyncio.create_task(self._hold(h), name=f"run-{h.run.id}"),
+                       lambda exc: log.error("run task failed: %s", describe(exc),
+                                             extra={"run_id": h.run_id}))
 
     async def _hold(self, h: RunHandle) -> None:
         """Own one run from claim to release: its executor, its heartbeat, its outcome."""
         current_run_id.set(h.run_id)
         # The claim's trace, current in this task (and the heartbeat's) until the finally below.
         attempt = self.executor.tracing.attempt(h)
-        heartbeat = asyncio.create_task(self._heartbeat(h), name=f"heartbeat-{h.run.id}")
+        heartbeat = watch(asyncio.create_task(self._heartbeat(h), name=f"heartbeat-{h.run.id}"),
+                          lambda exc: self._heartbeat_died(h, exc))
         try:
             try:
                 outcome = await self.executor.advance(h)
@@ -599,7 +597,7 @@ class Worker:
         """Run a store update whose failure must not take the run's task down."""
         try:
             return bool(await update)
-        except (LeaseLost, *DB_ERRORS) as exc:
+        except _NOT_WORTH_THE_RUN as exc:
             log.warning("could not update the run: %s", exc)
             return False
 
@@ -628,7 +626,7 @@ class Worker:
                 # A renewal slower than the TTL is worthless (the lease ran out meanwhile), and
                 # on a silently dead connection it would never return.
                 async with asyncio.timeout(s.lease_ttl):
-                    await self.store.renew(h.lease, ttl=s.lease_ttl)
+                    await self.store.renew(h.lease)
             except RunCancelled:
                 h.abort("cancelled")
                 return
@@ -644,6 +642,22 @@ class Worker:
                 continue
             h.last_renewed = sent  # the database's expiry is counted from after this
             self.health.progress()
+
+    def _heartbeat_died(self, h: RunHandle, exc: BaseException) -> None:
+        """A heartbeat that failed unexpectedly renews no more: the run is let go at once, as
+        if its lease were lost (it runs out, and the run resumes on the next claim), rather than
+        run on towards a lease that lapses under it."""
+        log.error("heartbeat failed (%s); letting the run go as if its lease were lost",
+                  describe(exc), extra={"run_id": h.run_id})
+        h.abort("lease lost")
+
+    def _listener_died(self, exc: BaseException) -> None:
+        """The listener reconnects by itself after any error; one that dies all the same
+        leaves a worker deaf to cancels and new runs: it drains and stops (non-zero exit)."""
+        log.error("listener failed (%s); stopping the worker: it would hear of no cancel and "
+                  "no new run", describe(exc))
+        self._side_failure = f"listener failed ({describe(exc)})"
+        self.request_drain()
 
     async def _let_go(self, h: RunHandle, why: str) -> None:
         """A stalled run is not held: no more renewals; abandon it (the attempt stays spent, so a

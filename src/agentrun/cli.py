@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import faulthandler
 import io
@@ -46,11 +47,7 @@ from agentrun.config import (
     CONTROL_PORT_ENV,
     DATABASE_URL_ENV,
     DEFAULT_CONTROL_PORT,
-    DEFAULT_DRAIN_GRACE,
-    DEFAULT_MODEL_DEADLINE,
-    DRAIN_GRACE_ENV,
     env_float,
-    env_int,
     login_refused,
     redact_message,
     redact_url,
@@ -72,15 +69,20 @@ from agentrun.store import (
     connect,
     parse_run_id,
 )
-from agentrun.tools import DEFAULT_TOOL_TIMEOUT, default_registry, load_tool_modules
+from agentrun.tools import default_registry, load_tool_modules
 from agentrun.vocabulary import RUN_STATUSES, TERMINAL
-from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
+from agentrun.worker.settings import (
+    WorkerSettings,
+    check_settings,
+    env_name,
+    port_or_off,
+)
 
 # -- commands ------------------------------------------------------------------------------------
 
 
 async def cmd_migrate(args: argparse.Namespace) -> int:
-    url = database_url()
+    url = database_url().url
     await check_connect(url)
     # No statement timeout: a migration may rewrite a big table (it holds an advisory lock).
     conn = await connect(url, statement_timeout=0)
@@ -100,9 +102,9 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 async def _open_store() -> Store:
-    url = database_url(quiet=True)
+    url, embedded = database_url(quiet=True)
     await check_connect(url)
-    await ensure_schema(url, auto=_using_embedded())
+    await ensure_schema(url, auto=embedded)
     return await Store.open(url, max_size=2)
 
 
@@ -660,10 +662,6 @@ async def ensure_schema(url: str, *, auto: bool) -> None:
         )
 
 
-def _using_embedded() -> bool:
-    return os.environ.get(DATABASE_URL_ENV) is None
-
-
 #: The namespace of a run submitted from a manifest that names none (as kubectl apply does in a
 #: context without one).
 
@@ -673,9 +671,9 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise ConfigError("--timeout: only with --wait (how long to wait for the runs to end)")
     resolved = load_manifests(args.filename)
-    url = database_url(quiet=True)
+    url, embedded = database_url(quiet=True)
     await check_connect(url)
-    await ensure_schema(url, auto=_using_embedded())
+    await ensure_schema(url, auto=embedded)
     async with await Store.open(url, max_size=2) as store:
         created: list[tuple[str, Run]] = []
         for r in resolved:
@@ -759,39 +757,45 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
                 ) from None
 
 
+#: ``agentrun worker``'s flags that override a WorkerSettings field of the same name (the rest
+#: are handled by hand in worker_settings).
+_WORKER_FLAGS = ("pool", "concurrency", "lease_ttl", "poll_interval", "drain_grace",
+                 "liveness_threshold", "progress_budget", "tool_timeout", "worker_id")
+
+
+def worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """WorkerSettings.from_env (the defaults and AGENTRUN_*), with what the flags given say."""
+    settings = WorkerSettings.from_env()
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in _WORKER_FLAGS if getattr(args, name) is not None
+    }
+    for name in ("health_port", "control_port"):
+        if getattr(args, name) is not None:
+            overrides[name] = port_or_off(getattr(args, name))
+    if args.model_retries is not None or args.model_deadline is not None:
+        overrides["retry"] = dataclasses.replace(
+            settings.retry,
+            **{k: v for k, v in (("max_retries", args.model_retries),
+                                 ("deadline", args.model_deadline)) if v is not None},
+        )
+    if args.prices is not None:
+        overrides["prices"] = load_prices(args.prices)
+    return dataclasses.replace(settings, **overrides)
+
+
 async def cmd_worker(args: argparse.Namespace) -> int:
-    from agentrun.worker.model_call import RetryPolicy
     from agentrun.worker.process import (
         CONTROL_HOST,
         Worker,
-        WorkerSettings,
-        check_settings,
-        default_worker_id,
         exit_past_lingering_threads,
-        until_database,
+        until_store,
     )
     from agentrun.worker.tracing import setup_tracing, shutdown_tracing
 
     setup_logging(args.log_format, args.log_level)
     # kill -USR1 <pid> prints every thread's stack: for a worker that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    health_port = None if args.health_port < 0 else args.health_port
-    control_port = None if args.control_port < 0 else args.control_port
-    settings = WorkerSettings(
-        pool=args.pool,
-        concurrency=args.concurrency,
-        lease_ttl=args.lease_ttl,
-        poll_interval=args.poll_interval,
-        drain_grace=args.drain_grace,
-        liveness_threshold=args.liveness_threshold,
-        progress_budget=args.progress_budget,
-        tool_timeout=args.tool_timeout,
-        health_port=health_port,
-        control_port=control_port,
-        worker_id=args.worker_id or default_worker_id(),
-        retry=RetryPolicy(max_retries=args.model_retries, deadline=args.model_deadline),
-        prices=load_prices(args.prices),
-    )
+    settings = worker_settings(args)
     # Every line from here on says which worker, pool and pod it came from (JSON fields).
     set_process_fields(
         worker=settings.worker_id, pool=settings.pool, pod=os.environ.get(POD_NAME_ENV)
@@ -799,8 +803,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     # Before the tools, the database and the first claim: a bad setting or a taken port stops
     # nothing midway.
     check_settings(settings)
-    check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", health_port)])
-    check_ports([("--control-port", CONTROL_PORT_ENV, control_port)], host=CONTROL_HOST)
+    check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", settings.health_port)])
+    check_ports([("--control-port", CONTROL_PORT_ENV, settings.control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
     tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
     # 2.7 s to import the SDK: only the worker pays it, not runs/steps/cancel. Each provider's
@@ -808,17 +812,23 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     from agentrun.worker.client import Providers
 
     client = Providers(traced=tracer_provider is not None)
-    url = database_url()
-    if _using_embedded():
-        await check_connect(url)
-        await ensure_schema(url, auto=True)
-    elif not await until_database(url):  # a fresh install: the database may start after us
-        return 0
-    # Any other database: the worker waits for its schema, alive and not ready (Worker.serve).
+    url, embedded = database_url()
+
+    def open_store() -> Coroutine[Any, Any, Store]:
+        # Store.open's own connection check is the start-up's one: a refused connection is
+        # the same one line (exit 3), a refused login exit 2.
+        return Store.open(url, max_size=settings.concurrency + 3, lease_ttl=settings.lease_ttl)
+
+    # The embedded server was started by database_url(): it answers, or that is an error at
+    # once. Any other may start after us (a fresh install): wait for it.
+    store = await open_store() if embedded else await until_store(open_store)
+    if store is None:
+        return 0  # SIGTERM while waiting
     if loaded:
         logging.getLogger("agentrun.worker").info("tools: %s", ", ".join(loaded))
-    store = await Store.open(url, max_size=args.concurrency + 3, lease_ttl=args.lease_ttl)
     try:
+        if embedded:  # nobody else migrates it; any other database the worker waits for
+            await ensure_schema(url, auto=True)  # (alive and not ready: Worker.serve)
         worker = Worker(store, client, default_registry, settings,
                         tracer_provider=tracer_provider)
         worker.install_signal_handlers()
@@ -904,7 +914,7 @@ async def cmd_operator(args: argparse.Namespace) -> int:
             ("--metrics-port", "AGENTRUN_METRICS_PORT", settings.metrics_port),
         ]
     )
-    settings = dataclasses.replace(settings, database_url=database_url())
+    settings = dataclasses.replace(settings, database_url=database_url().url)
     log = logging.getLogger("agentrun.operator")
     log.info(
         "operator: %s, pools %s, database %s",
@@ -975,7 +985,11 @@ class _SubParser(_Parser):
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentParser:
+    """``worker_env``: what ``agentrun worker`` would use without flags (default: read now, so a
+    malformed AGENTRUN_* setting is a one-line error whatever the command)."""
+    if worker_env is None:
+        worker_env = WorkerSettings.from_env(prices=False)
     p = _Parser(
         prog="agentrun",
         description="Durable execution for long-running LLM agents. The database is "
@@ -1071,16 +1085,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("worker", help="run a worker process")
-    s.add_argument(
-        "--pool", default=_env("POOL", "default"),
-        help="the pool whose runs this worker claims ($AGENTRUN_POOL)",
-    )
-    s.add_argument(
-        "--concurrency",
-        type=int,
-        default=env_int("AGENTRUN_CONCURRENCY", 4),
-        help="runs held at once",
-    )
+    # Each flag only overrides: WorkerSettings.from_env owns the defaults and the variables
+    # (worker_settings). The help shows what the worker would use without the flag.
+    w = worker_env
+
+    def flag(name: str, value: object, help: str, **kwargs: Any) -> None:
+        shown = "-1 (off)" if value is None else f"{value:g}" if isinstance(value, float) else value
+        s.add_argument(name, default=None, help=f"{help} (default: {shown}; ${env_name(name)})",
+                       **kwargs)
+
+    flag("--pool", w.pool, "the pool whose runs this worker claims")
+    flag("--concurrency", w.concurrency, "runs held at once", type=int)
     s.add_argument(
         "--tools",
         action="append",
@@ -1088,68 +1103,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="module or .py file defining @tool functions; repeatable",
     )
-    s.add_argument(
-        "--lease-ttl", type=float, default=env_float("AGENTRUN_LEASE_TTL", 15),
-        help="seconds a claim lasts unless renewed: how soon a dead worker's runs resume",
-    )
-    s.add_argument(
-        "--poll-interval", type=float, default=env_float("AGENTRUN_POLL_INTERVAL", 5),
-        help="seconds between claims when no notification wakes the worker",
-    )
-    s.add_argument(
-        "--drain-grace", type=float, default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE),
-        help="seconds a draining worker (SIGTERM) lets its runs reach a step boundary",
-    )
-    s.add_argument(
-        "--liveness-threshold",
-        type=float,
-        default=env_float("AGENTRUN_LIVENESS_THRESHOLD", 60),
-        help="/healthz fails after this many seconds without progress",
-    )
-    s.add_argument(
-        "--progress-budget",
-        type=float,
-        default=env_float("AGENTRUN_PROGRESS_BUDGET", DEFAULT_PROGRESS_BUDGET),
-        help="seconds a held run may go without a commit outside a model or tool call within "
-        "its deadline; then its lease is no longer renewed and it is abandoned",
-    )
-    s.add_argument(
-        "--health-port",
-        type=int,
-        default=env_int("AGENTRUN_HEALTH_PORT", 8080),
-        help="port of /healthz, /readyz, /metrics (0: any free port, -1: off)",
-    )
-    s.add_argument(
-        "--control-port",
-        type=int,
-        default=env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT),
-        help="loopback-only port of POST /drain, for agentrun drain-local (-1: off)",
-    )
-    s.add_argument(
-        "--model-retries", type=int, default=env_int("AGENTRUN_MODEL_RETRIES", 8),
-        help="retries of one model call after a transient failure",
-    )
-    s.add_argument(
-        "--model-deadline",
-        type=float,
-        default=env_float("AGENTRUN_MODEL_DEADLINE", DEFAULT_MODEL_DEADLINE),
-        help="seconds one model call may take in all (a transient failure past it)",
-    )
-    s.add_argument(
-        "--tool-timeout",
-        type=float,
-        default=env_float("AGENTRUN_TOOL_TIMEOUT", DEFAULT_TOOL_TIMEOUT),
-        help="seconds a tool call may take, for tools that declare no @tool(timeout=...)",
-    )
-    s.add_argument(
-        "--prices", default=_env("PRICES", ""), metavar="FILE",
-        help="JSON price table for cost estimates and budgets (default: built in; "
-        "docs/worker.md#prices)",
-    )
-    s.add_argument(
-        "--worker-id", default=_env("WORKER_ID", ""),
-        help="this worker's name in leases and steps (default: host name and pid)",
-    )
+    flag("--lease-ttl", w.lease_ttl,
+         "seconds a claim lasts unless renewed: how soon a dead worker's runs resume", type=float)
+    flag("--poll-interval", w.poll_interval,
+         "seconds between claims when no notification wakes the worker", type=float)
+    flag("--drain-grace", w.drain_grace,
+         "seconds a draining worker (SIGTERM) lets its runs reach a step boundary", type=float)
+    flag("--liveness-threshold", w.liveness_threshold,
+         "/healthz fails after this many seconds without progress", type=float)
+    flag("--progress-budget", w.progress_budget,
+         "seconds a held run may go without a commit outside a model or tool call within "
+         "its deadline; then its lease is no longer renewed and it is abandoned", type=float)
+    flag("--health-port", w.health_port,
+         "port of /healthz, /readyz, /metrics (0: any free port, -1: off)", type=int)
+    flag("--control-port", w.control_port,
+         "loopback-only port of POST /drain, for agentrun drain-local (-1: off)", type=int)
+    flag("--model-retries", w.retry.max_retries,
+         "retries of one model call after a transient failure", type=int)
+    flag("--model-deadline", w.retry.deadline,
+         "seconds one model call may take in all (a transient failure past it)", type=float)
+    flag("--tool-timeout", w.tool_timeout,
+         "seconds a tool call may take, for tools that declare no @tool(timeout=...)",
+         type=float)
+    flag("--prices", os.environ.get(env_name("--prices")) or "built in",
+         "JSON price table for cost estimates and budgets (docs/worker.md#prices)",
+         metavar="FILE")
+    flag("--worker-id", "host name and pid",
+         "this worker's name in leases and steps")
     _log_options(s)
     s.set_defaults(func=cmd_worker)
 
@@ -1161,7 +1141,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--port",
         type=int,
-        default=env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT),
+        default=-1 if worker_env.control_port is None else worker_env.control_port,
         help=f"the worker's --control-port (default: ${CONTROL_PORT_ENV}, else "
         f"{DEFAULT_CONTROL_PORT})",
     )
@@ -1169,7 +1149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         # The drain takes up to the worker's grace, then aborts what is left: a margin on top.
-        default=env_float(DRAIN_GRACE_ENV, DEFAULT_DRAIN_GRACE) + 15,
+        default=worker_env.drain_grace + 15,
         help="seconds to wait for the drain's answer (default: the drain grace + 15)",
     )
     s.set_defaults(func=cmd_drain_local)

@@ -39,7 +39,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 from pydantic import ValidationError
 
-from agentrun.config import DATABASE_URL_ENV, validate_database_url
+from agentrun.config import validate_database_url
 from agentrun.embedded import database_url as default_database_url
 from agentrun.errors import AgentrunError, ConfigError, RunUnsuccessful, WaitTimeout
 from agentrun.manifests import (
@@ -118,15 +118,14 @@ class AsyncClient:
         if self._store is not None:
             return self
         if self._url is not None:
-            url = validate_database_url(self._url)
+            url, embedded = validate_database_url(self._url), False
         else:
-            url = default_database_url(quiet=True)
+            url, embedded = default_database_url(quiet=True)
         await check_connect(url)
         # The CLI's one rule for the schema: migrate the embedded database (nobody else will),
         # insist that any other is current.
         from agentrun.cli import ensure_schema
 
-        embedded = self._url is None and os.environ.get(DATABASE_URL_ENV) is None
         await ensure_schema(url, auto=embedded)
         self._store = await Store.open(url, max_size=self._max_connections)
         return self

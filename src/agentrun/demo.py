@@ -186,7 +186,7 @@ async def run_demo(model: str | None, deadline: float) -> int:
 
     try:
         async with asyncio.timeout(deadline):
-            url = database_url()
+            url = database_url().url
             async with await connect(url, statement_timeout=0) as conn:
                 await migrate(conn)
             left.schema = True  # before: a Ctrl-C in the middle may leave it half made

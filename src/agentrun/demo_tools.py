@@ -48,7 +48,7 @@ def _store_url() -> str:
     # Cached: with AGENTRUN_DATABASE_URL unset this finds the embedded server, too slow per call.
     from agentrun.embedded import database_url
 
-    return database_url(quiet=True)
+    return database_url(quiet=True).url
 
 
 def _connect() -> psycopg.Connection[tuple[object, ...]]:

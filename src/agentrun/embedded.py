@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -103,11 +104,19 @@ def ensure_embedded(quiet: bool = False) -> str:
     return url
 
 
-def database_url(quiet: bool = False) -> str:
+class Database(NamedTuple):
+    """Where the database is: its URL, and whether it is the embedded server (which the CLI
+    migrates by itself: nobody else will), not one named by AGENTRUN_DATABASE_URL."""
+
+    url: str
+    embedded: bool
+
+
+def database_url(quiet: bool = False) -> Database:
     """AGENTRUN_DATABASE_URL if set (validated), else the embedded server's URL."""
     from agentrun.config import DATABASE_URL_ENV, validate_database_url
 
     url = os.environ.get(DATABASE_URL_ENV)
     if url is not None:
-        return validate_database_url(url)
-    return ensure_embedded(quiet=quiet)
+        return Database(validate_database_url(url), embedded=False)
+    return Database(ensure_embedded(quiet=quiet), embedded=True)

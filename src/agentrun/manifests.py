@@ -77,6 +77,8 @@ BUDGET_MESSAGE = (
 #: store and the client.
 DEFAULT_MAX_STEPS = 50
 DEFAULT_MAX_ATTEMPTS = 8
+#: max_tokens of each model call when the agent gives none.
+DEFAULT_MAX_TOKENS = 8192
 
 #: Where the Messages API is served: Anthropic's own API, Amazon Bedrock or Google Vertex AI,
 #: each through the SDK's own client. The worker takes the provider's settings and credentials
@@ -165,7 +167,8 @@ class AgentSpec(_Spec):
         description="Names of tools the worker registry provides.",
     )
     max_tokens: int = Field(
-        8192, alias="maxTokens", ge=1, le=128000, description="max_tokens of each model call."
+        DEFAULT_MAX_TOKENS, alias="maxTokens", ge=1, le=128000,
+        description="max_tokens of each model call.",
     )
     thinking: ThinkingSpec | None = Field(None, description="Extended thinking, optional.")
     pool: str = Field(
@@ -222,6 +225,17 @@ class AgentSpec(_Spec):
     def pinned(self) -> dict[str, Any]:
         """The JSON stored on the run row (camelCase, as in the manifest)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class PinnedAgentSpec(AgentSpec):
+    """An agent spec as pinned on a run (:meth:`AgentSpec.pinned`), read back by the worker.
+
+    A run keeps the spec it was created with, by whichever release: a key an older release did
+    not pin takes its default (runs pinned before providers, prompt caching or budgets), and a
+    key this release does not know (pinned by a newer one, read during a rollout or after a
+    rollback of the image) is ignored, as the worker ignored it when it read the raw keys."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, protected_namespaces=())
 
 
 def inline_fields() -> list[str]:

@@ -21,6 +21,7 @@ transaction holds locks for ever.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -60,7 +61,9 @@ from agentrun.errors import (
 from agentrun.manifests import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_STEPS,
+    DEFAULT_PROVIDER,
     AgentSpec,
+    PinnedAgentSpec,
     pool_problem,
 )
 from agentrun.sql import queries
@@ -89,9 +92,23 @@ FOLLOWER_LEASE = 60.0
 #: The longest external key (a client's idempotency key) a run takes.
 MAX_EXTERNAL_KEY = 1024
 
-#: Default lease TTL in seconds. Short, so a dead worker's run waits at most this long; workers
-#: renew with every commit and from a heartbeat at a third of the TTL.
+#: Default lease TTL in seconds (the store's, the worker's --lease-ttl). Short, so a dead
+#: worker's run waits at most this long; workers renew with every commit and from a heartbeat at
+#: a third of the TTL. 15 s: a SIGKILLed worker's runs resume 15 s later, while a GC pause, a slow
+#: commit or a database fail-over shorter than that costs nothing. Renewals (every 5 s, only when
+#: no commit renewed) cost 0.2 queries/s per held run. The seed's 60 s made every crash cost a
+#: minute.
 DEFAULT_LEASE_TTL = 15.0
+
+#: Errors that mean "the database is not answering" (an outage: back off and retry, or let the
+#: lease run out), as opposed to a bug or a bad schema, which are logged with their traceback.
+#: The worker's and the operator's one list (psycopg_pool's PoolTimeout is an OperationalError).
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    DatabaseUnavailable,
+    OSError,
+)
 
 
 #: The environment variables of :class:`ConnectOptions` (docs/worker.md, "Database connections").
@@ -425,10 +442,16 @@ class Run:
         return self.status in TERMINAL_STATUSES
 
     @property
+    def agent(self) -> AgentSpec:
+        """The pinned agent spec, validated back into its model (a ValidationError if it does
+        not validate; see :class:`agentrun.manifests.PinnedAgentSpec`)."""
+        return PinnedAgentSpec.model_validate(self.agent_spec)
+
+    @property
     def provider(self) -> str:
         """Where the run's model is called (the pinned spec.provider; runs pinned before
         providers existed have none, and called the Anthropic API)."""
-        return str(self.agent_spec.get("provider") or "anthropic")
+        return str(self.agent_spec.get("provider") or DEFAULT_PROVIDER)  # shown, never fails
 
 
 @dataclass(frozen=True)
@@ -641,6 +664,14 @@ class Store:
         )
         await pool.open(wait=True, timeout=connect_timeout)
         return cls(pool, url, lease_ttl=lease_ttl, options=opts)
+
+    def with_lease_ttl(self, lease_ttl: float) -> Self:
+        """This store (the same pool) with another lease TTL; itself if it has that one."""
+        if lease_ttl == self.lease_ttl:
+            return self
+        view = copy.copy(self)
+        view.lease_ttl = lease_ttl
+        return view
 
     async def close(self) -> None:
         await self.pool.close()

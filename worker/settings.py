@@ -1,0 +1,167 @@
+"""The worker's settings: one route for each, as the operator's (agentrun.operator.settings).
+
+:meth:`WorkerSettings.from_env` owns every default and reads every ``AGENTRUN_*`` variable of
+the worker; ``agentrun worker``'s flags only override what it read (a flag not given leaves the
+variable's value, or the default). :func:`check_settings` refuses a value the worker cannot work
+with, naming the flag and its variable. Light to import: the CLI reads these for every command
+(a malformed variable is a one-line error whatever the command), without the model SDK.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from agentrun.config import (
+    CONTROL_PORT_ENV,
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DRAIN_GRACE,
+    DEFAULT_MODEL_DEADLINE,
+    DRAIN_GRACE_ENV,
+    env_float,
+    env_int,
+)
+from agentrun.errors import ConfigError
+from agentrun.manifests import pool_problem
+from agentrun.pricing import BUILT_IN, PriceTable, load_prices
+from agentrun.store import DEFAULT_LEASE_TTL
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT
+from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
+
+MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 8
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    # One call, from the request to the assembled message; each retry gets a new one.
+    deadline: float = DEFAULT_MODEL_DEADLINE
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, MAX_RETRY_AFTER) + random.uniform(
+                0, 0.1 * max(min(retry_after, MAX_RETRY_AFTER), 0.1))
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+
+    def bound(self) -> float:
+        """The longest one :func:`call_model` can take, retries and backoffs included: every
+        try ends by its deadline, so the liveness clock (worker/liveness.py) can count the whole
+        call as progress up to here and no further."""
+        backoff = max(self.max_delay, MAX_RETRY_AFTER * 1.1)
+        return (self.max_retries + 1) * self.deadline + self.max_retries * backoff
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+def env_name(flag: str) -> str:
+    """The variable of an ``agentrun worker`` flag: --lease-ttl is AGENTRUN_LEASE_TTL."""
+    return "AGENTRUN_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+#: The health port's default (AGENTRUN_HEALTH_PORT, --health-port).
+DEFAULT_HEALTH_PORT = 8080
+
+
+def port_or_off(value: int) -> int | None:
+    return None if value < 0 else value  # -1: off
+
+
+@dataclass
+class WorkerSettings:
+    pool: str = "default"
+    concurrency: int = 4
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
+    drain_grace: float = DEFAULT_DRAIN_GRACE  # under Kubernetes' default grace period of 30 s
+    liveness_threshold: float = 60.0
+    progress_budget: float = DEFAULT_PROGRESS_BUDGET  # see worker/liveness.py
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
+    health_host: str = "0.0.0.0"
+    health_port: int | None = DEFAULT_HEALTH_PORT  # None: no health server; 0: any free port
+    # Loopback only, whatever the health host: /drain stops the worker.
+    # None (in-process workers, tests): no control listener; `agentrun worker` (from_env) has
+    # DEFAULT_CONTROL_PORT. 0: any free port.
+    control_port: int | None = None
+    worker_id: str = field(default_factory=default_worker_id)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    prices: PriceTable = BUILT_IN  # --prices FILE (agentrun.pricing.load_prices)
+
+    @classmethod
+    def from_env(cls, *, prices: bool = True) -> WorkerSettings:
+        """The settings ``agentrun worker`` starts from: each ``AGENTRUN_*`` variable that is
+        set, else its default. ``prices=False``: the price file is not read (the CLI checks the
+        variables for every command; only the worker needs the table)."""
+        d = cls(worker_id="")
+        retry = RetryPolicy()
+        prices_file = os.environ.get(env_name("--prices"), "")
+        return cls(
+            pool=os.environ.get(env_name("--pool"), d.pool),
+            concurrency=env_int(env_name("--concurrency"), d.concurrency),
+            lease_ttl=env_float(env_name("--lease-ttl"), d.lease_ttl),
+            poll_interval=env_float(env_name("--poll-interval"), d.poll_interval),
+            drain_grace=env_float(DRAIN_GRACE_ENV, d.drain_grace),
+            liveness_threshold=env_float(env_name("--liveness-threshold"),
+                                         d.liveness_threshold),
+            progress_budget=env_float(env_name("--progress-budget"), d.progress_budget),
+            tool_timeout=env_float(env_name("--tool-timeout"), d.tool_timeout),
+            health_port=port_or_off(env_int(env_name("--health-port"), DEFAULT_HEALTH_PORT)),
+            control_port=port_or_off(env_int(CONTROL_PORT_ENV, DEFAULT_CONTROL_PORT)),
+            worker_id=os.environ.get(env_name("--worker-id")) or default_worker_id(),
+            retry=RetryPolicy(
+                max_retries=env_int(env_name("--model-retries"), retry.max_retries),
+                deadline=env_float(env_name("--model-deadline"), retry.deadline),
+            ),
+            prices=load_prices(prices_file) if prices else d.prices,
+        )
+
+
+def check_settings(s: WorkerSettings) -> None:
+    """Refuse settings a worker cannot work with, naming the flag, its variable and the fix.
+
+    Each of these used to start a worker that did harm or nothing: a negative lease TTL
+    dead-lettered every run it claimed (each claim expired at once and was claimed again),
+    concurrency 0 never claimed, a negative one failed deep in the connection pool."""
+    def bad(flag: str, value: object, fix: str) -> ConfigError:
+        return ConfigError(f"{flag} {value} ({env_name(flag)}): {fix}")
+
+    finite = math.isfinite
+    if (problem := pool_problem(s.pool)) is not None:
+        shown = repr(s.pool) if len(s.pool) <= 80 else f"{s.pool[:40]!r}... ({len(s.pool)} chars)"
+        raise bad("--pool", shown, problem)
+    if s.concurrency < 1:
+        raise bad("--concurrency", s.concurrency, "must be at least 1 (runs held at once)")
+    if not (finite(s.lease_ttl) and s.lease_ttl >= 1):
+        raise bad("--lease-ttl", s.lease_ttl,
+                  f"must be at least 1 (seconds; default {DEFAULT_LEASE_TTL:g})")
+    if not (finite(s.poll_interval) and s.poll_interval > 0):
+        raise bad("--poll-interval", s.poll_interval, "must be more than 0 (seconds; default 5)")
+    if not (finite(s.drain_grace) and s.drain_grace >= 0):
+        raise bad("--drain-grace", s.drain_grace,
+                  f"must be 0 or more (seconds; default {DEFAULT_DRAIN_GRACE:g})")
+    if not (finite(s.liveness_threshold) and s.liveness_threshold > 0):
+        raise bad("--liveness-threshold", s.liveness_threshold,
+                  "must be more than 0 (seconds; default 60)")
+    if s.health_port is not None and not 0 <= s.health_port <= 65535:
+        raise bad("--health-port", s.health_port, "choose 1-65535, 0 for any, -1 to turn it off")
+    if s.retry.max_retries < 0:
+        raise bad("--model-retries", s.retry.max_retries,
+                  f"must be 0 or more (default {RetryPolicy.max_retries})")
+    if not (finite(s.retry.deadline) and s.retry.deadline > 0):
+        raise bad("--model-deadline", s.retry.deadline,
+                  f"must be more than 0 (seconds one model call may take; default "
+                  f"{DEFAULT_MODEL_DEADLINE:g})")
+    if not (finite(s.tool_timeout) and s.tool_timeout > 0):
+        raise bad("--tool-timeout", s.tool_timeout,
+                  f"must be more than 0 (seconds a tool call may take unless it declares "
+                  f"@tool(timeout=...); default {DEFAULT_TOOL_TIMEOUT:g})")
+    if not (finite(s.progress_budget) and s.progress_budget > 0):
+        raise bad("--progress-budget", s.progress_budget,
+                  f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")
