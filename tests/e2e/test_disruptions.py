@@ -194,12 +194,19 @@ class Installed:
                           any(owner.startswith(f"{pod}-") for pod in pods))
         decided = self.finish(name, within)
         result = {**self.check(name, runs), "decisions": decided}
-        handover = self.query(
-            "SELECT r.k8s_name, EXTRACT(EPOCH FROM min(s.created_at) - %s) FROM agent_run r "
+        # A run's next step after t0. For a run the disrupted pod held, a step its dying holder
+        # still committed between t0 and the signal landing (the disruption takes a moment to
+        # reach the process) is not the hand-over: count the first step of another worker.
+        steps_after = self.query(
+            "SELECT r.k8s_name, s.worker, EXTRACT(EPOCH FROM s.created_at - %s) FROM agent_run r "
             "JOIN agent_step s ON s.run_id = r.id WHERE r.k8s_namespace = %s "
-            "AND r.k8s_name LIKE %s AND s.created_at > %s GROUP BY r.k8s_name",
+            "AND r.k8s_name LIKE %s AND s.created_at > %s",
             t0, NAMESPACE, f"{name}-%", t0)
-        after = dict((n, float(t)) for n, t in handover)
+        after: dict[str, float] = {}
+        for n, worker, t in steps_after:
+            if n in affected and worker == held.get(n):
+                continue
+            after[n] = min(after.get(n, float(t)), float(t))
         figures = {**result, **extra, "runs": runs, "affected": affected,
                    "next_step_after_disruption_s": spread(list(after.values())),
                    # The runs the disrupted pod held: their hand-over (or lease expiry).
