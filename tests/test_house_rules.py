@@ -125,11 +125,7 @@ FORBIDDEN = {
 }
 
 #: (importer, imported) pairs that break a layer on purpose, each with its reason.
-LAYER_EXCEPTIONS = {
-    ("agentrun.client", "agentrun.cli"): "Client.connect(ensure_schema=True) reuses the CLI's "
-    "schema check (lazily, inside the call); issue 18's 'the database checked once at start' "
-    "gives it a home in the core",
-}
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -56,8 +56,9 @@ from agentrun.embedded import database_url
 from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests
-from agentrun.migrations import latest_version, migrate, schema_version
+from agentrun.migrations import migrate, schema_version
 from agentrun.pricing import load_prices
+from agentrun.schema import ensure_schema
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_STEPS,
@@ -646,20 +647,6 @@ async def cmd_prune(args: argparse.Namespace) -> int:
         f"{totals[3]} approvals in {n} batches"
     )
     return 0
-
-
-async def ensure_schema(url: str, *, auto: bool) -> None:
-    """Migrate when ``auto`` (the embedded database: no set-up), else insist it is current."""
-    async with await connect(url, statement_timeout=0 if auto else None) as conn:
-        if auto:
-            await migrate(conn)
-            return
-        have, need = await schema_version(conn), latest_version()
-    if have < need:
-        raise ConfigError(
-            f"the database schema is at version {have}, this agentrun needs {need}: "
-            "run agentrun migrate"
-        )
 
 
 #: The namespace of a run submitted from a manifest that names none (as kubectl apply does in a

@@ -52,6 +52,7 @@ from agentrun.manifests import (
     load_manifest_texts,
     load_manifests,
 )
+from agentrun.schema import ensure_schema
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     ManifestName,
@@ -122,10 +123,6 @@ class AsyncClient:
         else:
             url, embedded = default_database_url(quiet=True)
         await check_connect(url)
-        # The CLI's one rule for the schema: migrate the embedded database (nobody else will),
-        # insist that any other is current.
-        from agentrun.cli import ensure_schema
-
         await ensure_schema(url, auto=embedded)
         self._store = await Store.open(url, max_size=self._max_connections)
         return self
