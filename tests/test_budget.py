@@ -228,7 +228,7 @@ def test_a_model_is_priced_by_the_longest_entry_its_id_contains() -> None:
 
 def test_the_first_turn_always_runs_and_no_budget_never_stops() -> None:
     assert over_budget(None, Spend(10**9, 10**6, 10**9), MODEL, BUILT_IN, True) is None
-    tiny = {"maxTokens": 1, "maxCostUSD": 1e-9}
+    tiny = BudgetSpec(maxTokens=1, maxCostUSD=1e-9)
     assert over_budget(tiny, Spend(0, 0.0, 0), MODEL, BUILT_IN, True) is None
     stop = over_budget(tiny, Spend(5, 0.0, 5), MODEL, BUILT_IN, True)
     assert stop is not None and stop[0] == "maxTokens"

@@ -59,7 +59,7 @@ def turn_tokens(usage: Mapping[str, Any]) -> int:
 
 
 def over_budget(
-    budget: BudgetSpec | Mapping[str, Any] | None,
+    budget: BudgetSpec | None,
     spend: Spend,
     model: str,
     prices: PriceTable,
@@ -67,10 +67,7 @@ def over_budget(
 ) -> tuple[str, str] | None:
     """(the limit, why) when the next model turn would pass the run's budget, else None.
 
-    ``budget`` is the pinned agent spec's ``budget`` (or its camelCase dict, as the manifest
-    spells it)."""
-    if budget is not None and not isinstance(budget, BudgetSpec):
-        budget = BudgetSpec.model_validate(budget)
+    ``budget`` is the pinned agent spec's (``run.agent.budget``)."""
     if budget is None:
         return None
     max_tokens = budget.max_tokens

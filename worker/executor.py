@@ -42,7 +42,7 @@ from agentrun.tools import (
     make_context,
 )
 from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_end, rollback_reason
-from agentrun.worker.budget import Spend, over_budget, turn_tokens
+from agentrun.worker.budget import Spend, over_budget
 from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
@@ -326,7 +326,7 @@ class RunExecutor:
                 turn=turn,
                 cost_usd=cost,
             )
-            spend.add(turn_tokens(turn.payload.get("usage") or {}), cost)
+            spend.add(sum(usage.values()), cost)  # the four kinds: what maxTokens counts
             crash_point("after_model_turn_commit", seq)
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})

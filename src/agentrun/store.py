@@ -812,21 +812,7 @@ class Store:
         """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
         the namespaces' quotas."""
         params = {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl}
-        for attempt in range(3):
-            try:
-                async with self.pool.connection() as conn:
-                    cur = conn.cursor(row_factory=class_row(Run))
-                    await cur.execute(queries["claim_runs"], params)
-                    rows = await cur.fetchall()
-                break
-            except psycopg.errors.DeadlockDetected:
-                # A claim locks quota rows in namespace order; a statement that ends runs of
-                # several namespaces at once takes theirs in row order. PostgreSQL breaks such a
-                # cycle by failing one side: nothing was claimed, so claiming again is safe.
-                if attempt == 2:
-                    raise
-        else:  # pragma: no cover - the loop breaks or raises
-            raise AssertionError("unreachable")
+        rows = await self._claim_rows(params)
         claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
         for r in dead:
@@ -887,6 +873,21 @@ class Store:
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["list_quotas"])
             return [Quota(str(n), int(m), int(r)) for n, m, r in await cur.fetchall()]
+
+    async def _claim_rows(self, params: dict[str, Any], tries: int = 3) -> list[Run]:
+        """The claim statement's rows. A claim locks quota rows in namespace order; a statement
+        that ends runs of several namespaces at once takes theirs in row order. PostgreSQL breaks
+        such a cycle by failing one side: nothing was claimed, so claiming again is safe."""
+        for attempt in range(1, tries + 1):
+            try:
+                async with self.pool.connection() as conn:
+                    cur = conn.cursor(row_factory=class_row(Run))
+                    await cur.execute(queries["claim_runs"], params)
+                    return await cur.fetchall()
+            except psycopg.errors.DeadlockDetected:
+                if attempt == tries:
+                    raise
+        raise AssertionError("tries must be at least 1")
 
     async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
