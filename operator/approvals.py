@@ -37,7 +37,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from uuid import UUID
 
 import kopf
@@ -61,6 +61,7 @@ from agentrun.operator.kube import Gone, NotFound
 from agentrun.operator.status import Cond, Event, now_iso, one_line, set_condition
 from agentrun.store import DB_ERRORS, Approval, Store
 from agentrun.supervise import describe, watch
+from agentrun.vocabulary import VERDICTS
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ log = logging.getLogger(__name__)
 DONE_PHASES = (ApprovalPhase.APPLIED, ApprovalPhase.REFUSED)
 #: What is retried (the approval stays Pending meanwhile): an outage, not a refusal.
 RETRIED: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
-DECISIONS: dict[str, Literal["approved", "rejected"]] = {
-    "approve": "approved", "reject": "rejected"}
 
 
 def _ref(kind: str, namespace: str, name: str, uid: str) -> dict[str, Any]:
@@ -204,7 +203,7 @@ async def _decide(
             raise _Refused(f"AgentRun {spec.agent_run} has no run yet (the operator has not "
                            "accepted it); it cannot be waiting for a decision")
         run_id = str(run.id)
-        decision = DECISIONS[spec.decision]
+        decision = VERDICTS[spec.decision]
         call = status.get("call") if status.get("runId") == run_id else None
         prior = await _recorded(store, run.id, spec.seq, call)
         if prior is None:

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -69,7 +69,7 @@ from agentrun.operator.status import (
     status_for,
 )
 from agentrun.store import DB_ERRORS, K8sRef, Store
-from agentrun.vocabulary import TERMINAL_STATUSES
+from agentrun.vocabulary import TERMINAL_STATUSES, VERDICTS
 
 log = logging.getLogger(__name__)
 
@@ -434,9 +434,7 @@ async def actions(
                         f"{key} must be the step number the run waits on (see .status."
                         f"pendingApproval.seq), not {value!r}"
                     ) from None
-                decision: Literal["approved", "rejected"] = (
-                    "approved" if key == APPROVE else "rejected"
-                )
+                decision = VERDICTS["approve" if key == APPROVE else "reject"]
                 call = await store.decide(run.id, seq, decision, decided_by=who)
                 await app.event(ref, Event(
                     "Normal",

@@ -71,7 +71,7 @@ from agentrun.store import (
     parse_run_id,
 )
 from agentrun.tools import default_registry, load_tool_modules
-from agentrun.vocabulary import RUN_STATUSES, TERMINAL
+from agentrun.vocabulary import RUN_STATUSES, TERMINAL, VERDICTS, RunStatus
 from agentrun.worker.settings import (
     WorkerSettings,
     check_settings,
@@ -209,7 +209,7 @@ async def cmd_steps(args: argparse.Namespace) -> int:
 
 #: The exit code of ``agentrun wait`` / ``submit --wait`` for a run that ended otherwise than
 #: awaited (the awaited end is 0), and for a ``--timeout`` that ran out (as coreutils timeout).
-WAIT_EXIT_CODES: dict[str, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6}
+WAIT_EXIT_CODES: dict[RunStatus, int] = {"failed": 4, "cancelled": 5, "dead_letter": 6}
 #: The values of ``--for``: "succeeded" (exit 0 only if the run succeeds) or "finished" (exit 0
 #: whatever its end).
 WAIT_FOR = ("succeeded", "finished")
@@ -527,9 +527,7 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
 async def cmd_decide(args: argparse.Namespace) -> int:
     if _talks_to_kubernetes(args):
         return await _decide_in_kubernetes(args)
-    decision: Literal["approved", "rejected"] = (
-        "approved" if args.command == "approve" else "rejected"
-    )
+    decision = VERDICTS["approve" if args.command == "approve" else "reject"]
     by = args.by or os.environ.get("USER") or "cli"
     abort = bool(getattr(args, "abort", False))
     async with await _open_store() as store:

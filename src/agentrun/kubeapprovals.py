@@ -25,7 +25,8 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError
-from agentrun.manifests import API_VERSION, AgentRunApprovalSpec, ApprovalDecision
+from agentrun.manifests import API_VERSION, AgentRunApprovalSpec
+from agentrun.vocabulary import ApprovalDecision
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "agentrunapprovals"

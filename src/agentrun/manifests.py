@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from agentrun.errors import ConfigError
+from agentrun.vocabulary import ApprovalDecision
 
 API_VERSION = "agentrun.dev/v1alpha1"
 
@@ -336,8 +337,6 @@ MAX_REASON = 1024
 #: A Kubernetes user name as the API server reports it (``system:serviceaccount:NS:NAME`` is at
 #: most 16 + 63 + 1 + 253 characters; an OIDC or certificate name is shorter in practice).
 MAX_USERNAME = 512
-#: What an AgentRunApproval decides, as its spec spells it.
-ApprovalDecision = Literal["approve", "reject"]
 
 
 class AgentRunApprovalSpec(_Spec):

@@ -71,8 +71,10 @@ from agentrun.vocabulary import (
     TERMINAL_STATUSES,
     EffectState,
     RollbackEnd,
+    RunStatus,
     StepKind,
     TerminalStatus,
+    Verdict,
     rollback_reason,
 )
 
@@ -376,7 +378,7 @@ class Run:
     k8s_name: str | None
     k8s_uid: str | None
     pool: str
-    status: str
+    status: RunStatus
     task: str
     model: str
     agent_spec: dict[str, Any]
@@ -1105,7 +1107,7 @@ class Store:
         self,
         run_id: str | UUID,
         seq: int,
-        decision: Literal["approved", "rejected"],
+        decision: Verdict,
         *,
         decided_by: str,
         reason: str | None = None,

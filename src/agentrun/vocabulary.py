@@ -46,6 +46,12 @@ EffectState = Literal["intent", "done"]
 AbortReason = Literal["cancelled", "lease lost", "drain", "stalled"]
 ABORT_REASONS: Final[tuple[AbortReason, ...]] = get_args(AbortReason)
 
+#: What a human decides about a call waiting for approval, as an AgentRunApproval's
+#: ``spec.decision`` and the CLI's verbs spell it, and as the store records it.
+ApprovalDecision = Literal["approve", "reject"]
+Verdict = Literal["approved", "rejected"]
+VERDICTS: Final[dict[ApprovalDecision, Verdict]] = {"approve": "approved", "reject": "rejected"}
+
 #: What a rollback ends as: a cancel that asked for one ends cancelled; every other (a rejection
 #: with abort, a tier-3 failure) ends failed.
 RollbackEnd = Literal["cancelled", "failed"]
