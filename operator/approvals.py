@@ -225,7 +225,10 @@ async def _decide(
             except DatabaseUnavailable:
                 raise
             except AgentrunError as exc:  # not waiting, waiting on another step, no such run
-                first = await _recorded(store, run.id, spec.seq, call)
+                # Without the call (this approval read the run after the first decision), the
+                # step's latest decision is the one that came first.
+                first = (await _recorded(store, run.id, spec.seq, call)
+                         or await store.last_approval_on_step(run.id, spec.seq))
                 raise _Refused(str(exc) + (
                     f": step {spec.seq} was decided first, {first.decision} by "
                     f"{first.decided_by}" if first is not None else ""), run_id) from None

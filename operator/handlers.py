@@ -69,6 +69,7 @@ from agentrun.operator.status import (
     status_for,
 )
 from agentrun.store import DB_ERRORS, K8sRef, Store
+from agentrun.supervise import describe, watch
 from agentrun.vocabulary import TERMINAL_STATUSES, VERDICTS
 
 log = logging.getLogger(__name__)
@@ -513,9 +514,13 @@ async def ttl(
         return
     finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
     seconds = int(spec["ttlSecondsAfterFinished"])
-    expiring[uid] = asyncio.create_task(expire(
+    run_id = status.get("runId")
+    # expire() logs its own failures; what escapes it (a BaseException) is said, not lost.
+    expiring[uid] = watch(asyncio.create_task(expire(
         _app(memo), expiries, namespace or "", name, uid, finished + timedelta(seconds=seconds),
-        seconds, status.get("runId")), name=f"ttl-{uid}")
+        seconds, run_id), name=f"ttl-{uid}"),
+        lambda exc: log.error("AgentRun %s/%s: its TTL task failed: %s", namespace, name,
+                              describe(exc), extra={"run_id": str(run_id)}))
 
 
 async def deleted(

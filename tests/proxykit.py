@@ -58,6 +58,8 @@ class TcpProxy:
     _up: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: bool = False
+    #: Connections accepted and forwarded so far (a client's connection count, as the server saw).
+    accepted: int = 0
 
     def start(self) -> TcpProxy:
         self._server = socket.socket()
@@ -118,6 +120,7 @@ class TcpProxy:
             with self._lock:
                 link = _Link(client, upstream)
                 self._links.append(link)
+                self.accepted += 1
             threading.Thread(target=self._pump, args=(link, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(link, False), daemon=True).start()
 

@@ -24,7 +24,7 @@ from uuid import uuid4
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import agentrun.client as client_module
 from agentrun import demo_tools
@@ -40,6 +40,7 @@ from agentrun.errors import (
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.scenario import builtin_scenario_path
 from agentrun.store import Store
+from tests.proxykit import TcpProxy
 from tests.workerkit import (
     AGENT,
     TOOLS_DIR,
@@ -313,6 +314,22 @@ async def test_the_database_is_found_as_the_cli_finds_it(
     assert "agentrun-client" not in {t.name for t in threading.enumerate()}
     with pytest.raises(AgentrunError, match="the client is not open"):
         await AsyncClient(database_url).get(run.id)
+
+
+async def test_opening_checks_the_database_once(database_url: str) -> None:
+    """Store.open's connection check, then the pool's own connection (which reads the schema
+    version): two connections. It was four: a check, a schema connection, and Store.open's check
+    before its pool."""
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host") or "127.0.0.1"), int(parts.get("port") or 5432)))
+    proxy.start()
+    try:
+        parts.update(host="127.0.0.1", port=str(proxy.port))
+        async with AsyncClient(make_conninfo(**parts), max_connections=1) as c:
+            assert await c.list() == []
+        assert proxy.accepted == 2
+    finally:
+        proxy.stop()
 
 
 def test_the_sync_client_from_a_plain_function(

@@ -341,6 +341,32 @@ async def test_two_decisions_on_one_step_at_once_one_applies_the_other_is_refuse
                      "the refused approval's Warning")
 
 
+async def test_a_second_decision_made_after_the_first_applied_names_the_first(
+    kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
+    store: Store,
+) -> None:
+    """The loser of the race above, made deterministic: carol's approval is read after alice's
+    decision, when the run no longer waits and carol's object never learnt which call it was
+    about. Her refusal still says who decided first (it once said only "not waiting")."""
+    alice = users("alice", "approver")
+    carol = users("carol", "approver")
+    operator()
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    await waiting_run(kube, store, "migrate")
+    policy_active(kube, alice)
+    code, _ = alice.create_approval(approval("migrate", 0, "approve", alice.username,
+                                             name="by-alice"))
+    assert code == 201
+    assert (await settled(kube, "by-alice"))["phase"] == "Applied"
+    code, _ = carol.create_approval(approval("migrate", 0, "reject", carol.username,
+                                             name="by-carol"))
+    assert code == 201
+    refused = await settled(kube, "by-carol")
+    assert refused["phase"] == "Refused", refused
+    assert "not waiting for approval" in refused["message"], refused
+    assert f"step 0 was decided first, approved by {alice.username}" in refused["message"], refused
+
+
 async def test_the_python_client_rejects_through_an_object_and_raises_when_refused(
     kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
     store: Store,

@@ -58,7 +58,7 @@ from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import migrate, schema_version
 from agentrun.pricing import load_prices
-from agentrun.schema import ensure_schema
+from agentrun.schema import ensure_schema, open_store
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_STEPS,
@@ -104,9 +104,7 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 
 async def _open_store() -> Store:
     url, embedded = database_url(quiet=True)
-    await check_connect(url)
-    await ensure_schema(url, auto=embedded)
-    return await Store.open(url, max_size=2)
+    return await open_store(url, embedded=embedded, max_size=2)
 
 
 #: The most runs ``agentrun runs`` lists at once.
@@ -656,10 +654,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise ConfigError("--timeout: only with --wait (how long to wait for the runs to end)")
     resolved = load_manifests(args.filename)
-    url, embedded = database_url(quiet=True)
-    await check_connect(url)
-    await ensure_schema(url, auto=embedded)
-    async with await Store.open(url, max_size=2) as store:
+    async with await _open_store() as store:
         created: list[tuple[str, Run]] = []
         for r in resolved:
             run, _ = await store.create_run(

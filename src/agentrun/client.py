@@ -52,14 +52,13 @@ from agentrun.manifests import (
     load_manifest_texts,
     load_manifests,
 )
-from agentrun.schema import ensure_schema
+from agentrun.schema import open_store
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     ManifestName,
     Run,
     Step,
     Store,
-    check_connect,
     parse_run_id,
 )
 from agentrun.vocabulary import RUN_STATUSES, RunStatus
@@ -122,9 +121,7 @@ class AsyncClient:
             url, embedded = validate_database_url(self._url), False
         else:
             url, embedded = default_database_url(quiet=True)
-        await check_connect(url)
-        await ensure_schema(url, auto=embedded)
-        self._store = await Store.open(url, max_size=self._max_connections)
+        self._store = await open_store(url, embedded=embedded, max_size=self._max_connections)
         return self
 
     async def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from agentrun.errors import ConfigError
 from agentrun.migrations import latest_version, migrate, schema_version
-from agentrun.store import connect
+from agentrun.store import Store, connect
 
 
 async def ensure_schema(url: str, *, auto: bool) -> None:
@@ -15,9 +15,31 @@ async def ensure_schema(url: str, *, auto: bool) -> None:
         if auto:
             await migrate(conn)
             return
-        have, need = await schema_version(conn), latest_version()
+        _require_current(await schema_version(conn))
+
+
+def _require_current(have: int) -> None:
+    need = latest_version()
     if have < need:
         raise ConfigError(
             f"the database schema is at version {have}, this agentrun needs {need}: "
             "run agentrun migrate"
         )
+
+
+async def open_store(url: str, *, embedded: bool, max_size: int) -> Store:
+    """An open store on a current schema: the one route of the CLI's commands and the Python
+    client. The database is checked once: Store.open's connection check (a one-line error), then
+    the schema version read on the pool's own connection. Only the embedded database is migrated
+    here, on a connection of its own first (a migration runs without a statement timeout)."""
+    if embedded:
+        await ensure_schema(url, auto=True)
+    store = await Store.open(url, max_size=max_size)
+    if not embedded:
+        try:
+            async with store.pool.connection() as conn:
+                _require_current(await schema_version(conn))
+        except BaseException:
+            await store.close()
+            raise
+    return store

@@ -1083,6 +1083,13 @@ class Store:
             )
             return await cur.fetchone()
 
+    async def last_approval_on_step(self, run_id: UUID, seq: int) -> Approval | None:
+        """The latest decision on any call of step ``seq``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(Approval))
+            await cur.execute(queries["last_approval_on_step"], {"run_id": run_id, "seq": seq})
+            return await cur.fetchone()
+
     async def retry_intent(self, lease: Lease, seq: int, call_index: int, attempt: int) -> int:
         """Count an approved re-run of an irreversible call (whose attempt ``attempt`` has an
         unknown outcome) before calling it, fenced; returns the new attempt number. A crash

@@ -382,6 +382,14 @@ SELECT decision, decided_by, reason, decided_at, attempt FROM approval
  WHERE run_id = %(run_id)s AND seq = %(seq)s AND call_index = %(call_index)s
    AND stage = %(stage)s AND attempt = %(attempt)s;
 
+-- last_approval_on_step --
+-- The latest decision on any call of one step: what a refused second decision names when it does
+-- not know which call the first one decided (it read the run after that decision).
+SELECT decision, decided_by, reason, decided_at, attempt FROM approval
+ WHERE run_id = %(run_id)s AND seq = %(seq)s
+ ORDER BY decided_at DESC
+ LIMIT 1;
+
 -- insert_approval --
 -- Record a decision on one attempt of one call; a second decision on it is ignored.
 INSERT INTO approval (run_id, seq, call_index, stage, attempt, decision, decided_by, reason)
