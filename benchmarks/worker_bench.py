@@ -43,10 +43,10 @@ from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
 from agentrun.tools import default_registry, make_context
-from agentrun.worker.client import Providers
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import RetryPolicy, build_request
+from agentrun.worker.providers import Providers
 from benchmarks.bench_tools import echo
 from benchmarks.throwaway_db import throwaway_database
 
@@ -161,14 +161,15 @@ def spawn_worker(
     concurrency: int = 4,
     health_port: int = -1,
     extra: list[str] | None = None,
+    prelude: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A real ``agentrun worker`` process with the bench tools; the caller stops it by pid."""
+    """A real ``agentrun worker`` process with the bench tools; the caller stops it by pid.
+    ``prelude``: the interpreter's arguments before ``worker`` (default ``-m agentrun``)."""
     with open(logdir / f"{name}.log", "wb") as log:
         return subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "agentrun",
+                *(prelude or ["-m", "agentrun"]),
                 "worker",
                 "--tools",
                 TOOLS_FILE,

@@ -32,7 +32,8 @@ from agentrun.manifests import AgentSpec
 from agentrun.pricing import INPUT_USD_PER_MTOK, cost_usd
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.client import bedrock_client
-from agentrun.worker.model_call import PermanentModelError, RetryPolicy, build_request, call_model
+from agentrun.worker.model_call import RetryPolicy, build_request, call_model
+from agentrun.worker.providers import PermanentModelError
 from tests.conftest import run_cli
 from tests.test_prompt_cache import answered, assert_totals_are_the_steps_sum
 from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
@@ -216,9 +217,21 @@ async def test_get_shows_the_provider_and_a_bad_one_is_refused_naming_the_field(
 
 def test_a_worker_imports_no_cloud_sdk_until_a_run_needs_it() -> None:
     code = (
-        "import sys, agentrun.cli, agentrun.worker.process, agentrun.worker.client as c\n"
-        "c.Providers()\n"
+        "import sys, agentrun.cli, agentrun.worker.process, agentrun.worker.client\n"
+        "from agentrun.worker.providers import Providers\n"
+        "Providers()\n"
         "print([m for m in ('boto3', 'botocore', 'google.auth') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
+
+
+def test_the_way_to_a_workers_first_claim_imports_neither_the_sdk_nor_aiohttp() -> None:
+    """Issue 17 (start-up): about 2 s of CPU for the SDK and 0.2 s for aiohttp stay off the claim
+    path; `agentrun worker` imports both in threads (worker/providers.py, Worker.serve)."""
+    code = (
+        "import sys, agentrun.cli, agentrun.worker.process, agentrun.worker.executor\n"
+        "print([m for m in ('anthropic', 'aiohttp', 'httpx2') if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out

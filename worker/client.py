@@ -25,19 +25,17 @@ retrying a call that cannot succeed on this worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 from anthropic._models import FinalRequestOptions
 from anthropic._utils._json import openapi_dumps_str
-from anthropic.resources.messages import AsyncMessages
 
 from agentrun.manifests import PROVIDERS
+from agentrun.worker.providers import Factory, ModelClient, ProviderUnavailable
 
 log = logging.getLogger("agentrun.worker")
 
@@ -84,20 +82,6 @@ class EscapeSurrogates(_ClientBase):
 
 class AsyncAnthropic(EscapeSurrogates, anthropic.AsyncAnthropic):
     pass
-
-
-class ModelClient(Protocol):
-    """What the worker needs of a client: the Messages resource, and closing it."""
-
-    @property
-    def messages(self) -> AsyncMessages: ...
-
-    async def close(self) -> None: ...
-
-
-class ProviderUnavailable(Exception):
-    """This worker cannot call the provider (a setting or the credentials are missing); the
-    message is one line naming what to set."""
 
 
 def _env(*names: str) -> str | None:
@@ -208,57 +192,9 @@ def vertex_client(traced: bool = False) -> ModelClient:
     )
 
 
-Factory = Callable[[bool], ModelClient]  # traced -> a client
-
 FACTORIES: dict[str, Factory] = {
     "anthropic": anthropic_client,
     "bedrock": bedrock_client,
     "vertex": vertex_client,
 }
 assert set(FACTORIES) == set(PROVIDERS)
-
-
-class Providers:
-    """One client per provider for the whole worker process, each made when a run first needs
-    it (in a thread: finding credentials may ask a metadata server). ``default``: one client
-    for every provider instead (an in-process worker's own client, a test's)."""
-
-    def __init__(
-        self,
-        factories: dict[str, Factory] | None = None,
-        *,
-        default: ModelClient | None = None,
-        traced: bool = False,
-    ) -> None:
-        self._clients: dict[str, ModelClient] = {}
-        self._factories = factories if factories is not None else FACTORIES
-        self._default = default
-        self._traced = traced
-        # One per provider: a slow credential probe of one (a metadata server that does not
-        # answer) holds up no run of another.
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    async def get(self, provider: str) -> ModelClient:
-        """The provider's client; :class:`ProviderUnavailable` if this worker cannot call it.
-        A failure is not remembered: the next run asks again (a metadata server may answer)."""
-        client = self._clients.get(provider, self._default)
-        if client is not None:
-            return client
-        factory = self._factories.get(provider)
-        if factory is None:
-            raise ProviderUnavailable(
-                f"provider {provider!r} is not one this worker knows ({', '.join(PROVIDERS)})"
-            )
-        async with self._locks.setdefault(provider, asyncio.Lock()):  # runs claimed together
-            client = self._clients.get(provider)
-            if client is None:
-                client = await asyncio.to_thread(factory, self._traced)
-                self._clients[provider] = client
-                log.info("provider %s: calling %s", provider, getattr(client, "base_url", "?"))
-        return client
-
-    async def close(self) -> None:
-        """Close the clients it made (``default`` is its caller's to close)."""
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()

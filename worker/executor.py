@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import importlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
@@ -43,12 +44,14 @@ from agentrun.tools import (
 )
 from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_end, rollback_reason
 from agentrun.worker.budget import Spend, over_budget
-from agentrun.worker.client import ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
-from agentrun.worker.model_call import ModelTurn, build_request, call_model
+from agentrun.worker.providers import SDK_MODULES, ModelClient, Providers, ProviderUnavailable
 from agentrun.worker.settings import RetryPolicy
 from agentrun.worker.tracing import RunTracer
+
+if TYPE_CHECKING:
+    from agentrun.worker.model_call import ModelTurn
 
 log = logging.getLogger("agentrun.worker.run")
 
@@ -226,6 +229,11 @@ class RunExecutor:
 
     async def advance(self, h: RunHandle) -> str | None:
         """Run until the run ends (returns None) or the worker drains (returns "drain")."""
+        # The SDK's modules: off the worker's claim path (worker/providers.py). Imported in a
+        # thread, so that a run claimed while `agentrun worker` still imports them in the
+        # background waits for that import without holding the event loop (its heartbeats).
+        await asyncio.to_thread(importlib.import_module, SDK_MODULES[-1])
+        from agentrun.worker.model_call import build_request, call_model  # imported: at once
         run = h.run
         try:
             agent = run.agent

@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -34,6 +34,9 @@ from prometheus_client import (
 
 from agentrun.metrics import register_standard_collectors
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 #: Step durations, in seconds: a tool result commits in milliseconds, a model turn (a long
 #: thinking budget, a big answer) can stream for minutes, so the buckets reach 10 minutes.
@@ -170,6 +173,8 @@ class Health:
 
 
 def make_app(health: Health) -> web.Application:
+    from aiohttp import web  # off the claim path: Worker._start_servers
+
     async def healthz(_: web.Request) -> web.Response:
         stalled = health.stalled_for()
         if health.alive():
@@ -216,6 +221,7 @@ def make_app(health: Health) -> web.Application:
 
 def make_control_app(health: Health) -> web.Application:
     """The loopback-only control listener: POST /drain (``agentrun drain-local``)."""
+    from aiohttp import web
 
     async def drain(_: web.Request) -> web.Response:
         # The pod's preStop hook: stop claiming, hand the runs back, answer once drained, so

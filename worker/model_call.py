@@ -41,18 +41,10 @@ import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
 
 from agentrun.manifests import DEFAULT_MAX_TOKENS
 from agentrun.store import PromptVersion, canonical_json
-from agentrun.worker.client import ModelClient
+from agentrun.worker.providers import ModelClient, PermanentModelError, TransientExhausted
 from agentrun.worker.settings import RetryPolicy
 
 log = logging.getLogger("agentrun.worker.model")
-
-
-class PermanentModelError(Exception):
-    """The provider refused the request for good; the run fails with this message."""
-
-
-class TransientExhausted(Exception):
-    """Transient failures outlasted the retry budget; the worker gives the claim up."""
 
 
 class MalformedStream(Exception):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -36,11 +37,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from uuid import UUID
 
 import psycopg
-from aiohttp import web
 from opentelemetry.trace import TracerProvider
 from psycopg_pool import PoolTimeout
 
@@ -56,12 +56,19 @@ from agentrun.migrations import latest_version, schema_version
 from agentrun.store import CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY, DB_ERRORS, Store
 from agentrun.supervise import describe, watch
 from agentrun.tools import ToolRegistry
-from agentrun.worker.client import ModelClient, Providers
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics, make_app, make_control_app
-from agentrun.worker.model_call import PermanentModelError, TransientExhausted
+from agentrun.worker.providers import (
+    ModelClient,
+    PermanentModelError,
+    Providers,
+    TransientExhausted,
+)
 from agentrun.worker.settings import WorkerSettings, check_settings
 from agentrun.worker.tracing import RunTracer
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger("agentrun.worker")
 
@@ -236,16 +243,28 @@ class Worker:
             s.concurrency,
             s.lease_ttl,
         )
-        runners = await self._start_servers()
+        # The health and control servers start beside the way to the first claim (issue 17:
+        # start-up). The worker is ready once they serve and it listens; a port taken since
+        # `agentrun worker` checked it drains the worker and exits 2 (ConfigError).
+        starting = asyncio.create_task(self._start_servers(), name="servers")
+        runners: list[web.AppRunner] = []
         listener: asyncio.Task[None] | None = None
         try:
-            await self._until_schema()
+            await self._until_schema(starting)
             await self._register_tools()
             listener = watch(asyncio.create_task(self._listen(), name="listener"),
                              self._listener_died, forever=True)
             await self._until_listening()
+            claiming = asyncio.create_task(self._claim_loop(), name="claims")
+            try:
+                runners = await starting
+            except BaseException:
+                self.request_drain()
+                await claiming
+                await self._drain()
+                raise
             self.health.ready = True
-            await self._claim_loop()
+            await claiming
             await self._drain()
             log.info("drained: no run held")
             self._drained.set()
@@ -261,6 +280,10 @@ class Worker:
             # Every step of the shutdown is bounded: once the runs are released nothing may keep
             # the process from exiting (an intermittent hang after release was seen once, and
             # not reproduced since; kill -USR1 dumps the stacks if it ever recurs).
+            if not starting.done():  # a drain (or a failure) before the servers came up
+                starting.cancel()
+            with contextlib.suppress(BaseException):
+                runners = runners or await starting
             if listener is not None:
                 listener.cancel()
                 await asyncio.wait({listener}, timeout=5)
@@ -293,7 +316,8 @@ class Worker:
         except (psycopg.Error, OSError, PoolTimeout) as exc:
             log.warning("could not register this worker's tools: %s", " ".join(str(exc).split()))
 
-    async def _until_schema(self) -> None:
+    async def _until_schema(self, servers: asyncio.Task[list[web.AppRunner]] | None = None
+                            ) -> None:
         """Return once the database schema is at the version this worker needs; until then, not
         ready but alive; on a schema newer than it knows, warn and go on. A drain
         ends the wait.
@@ -310,7 +334,10 @@ class Worker:
         rollout or after a rollback of the image only) is said once as a warning and the worker
         works on, as it did before issue 19: a release's migrations are written so the previous
         release keeps working through its rollout. Exiting instead would crash-loop every worker
-        of a rolled-back image and stop all runs, the worst answer to a rollback."""
+        of a rolled-back image and stop all runs, the worst answer to a rollback.
+
+        ``servers``: the health server's start, awaited before the worker says it waits, so that
+        a waiting worker is seen alive (its /healthz) and not ready."""
         s = self.settings
         need = latest_version()
         waiting = Reminder()
@@ -352,6 +379,8 @@ class Worker:
                 f"database schema version {need} (it is at {have}): run `agentrun migrate`, "
                 "or let the operator migrate it"
             )
+            if servers is not None:
+                await asyncio.shield(servers)
             if waiting.due():
                 log.warning(
                     "waiting for the database schema: it is at version %d, this worker "
@@ -418,6 +447,10 @@ class Worker:
     async def _start_servers(self) -> list[web.AppRunner]:
         s = self.settings
         runners: list[web.AppRunner] = []
+        if s.health_port is None and s.control_port is None:
+            return runners
+        # aiohttp costs about 0.2 s to import: in a thread, beside the first claim (serve).
+        await asyncio.to_thread(importlib.import_module, "aiohttp.web")
         try:
             if s.health_port is not None:
                 runner, self.health_port = await self._serve(
@@ -442,6 +475,8 @@ class Worker:
     async def _serve(
         self, app: web.Application, host: str, port: int, option: str, env: str
     ) -> tuple[web.AppRunner, int]:
+        from aiohttp import web
+
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)

@@ -770,6 +770,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         exit_past_lingering_threads,
         until_store,
     )
+    from agentrun.worker.providers import Providers, import_sdk_in_background
     from agentrun.worker.tracing import setup_tracing, shutdown_tracing
 
     setup_logging(args.log_format, args.log_level)
@@ -787,11 +788,14 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     check_ports([("--control-port", CONTROL_PORT_ENV, settings.control_port)], host=CONTROL_HOST)
     loaded = load_tool_modules(args.tools)
     tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
-    # 2.7 s to import the SDK: only the worker pays it, not runs/steps/cancel. Each provider's
-    # client is made when a run first needs it (a bedrock-only pool needs no Anthropic key).
-    from agentrun.worker.client import Providers
-
+    # Each provider's client is made when a run first needs it (a bedrock-only pool needs no
+    # Anthropic key).
     client = Providers(traced=tracer_provider is not None)
+    # About 2 s of CPU to import the SDK: in a thread, off the way to the first claim
+    # (worker/providers.py). Started once this process's own imports are done (they share one
+    # GIL): it runs while the worker waits on the database, and a run claimed before it ends
+    # waits only for the rest of it.
+    import_sdk_in_background()
     url, embedded = database_url()
 
     def open_store() -> Coroutine[Any, Any, Store]:
