@@ -61,6 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "idle_s": 10,
         "held": 10,
         "prune_steps": 20_000,
+        "startup_rounds": 1,
     },
     "small": {
         "store_steps": 1000,
@@ -73,6 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "idle_s": 30,
         "held": 100,
         "prune_steps": 200_000,
+        "startup_rounds": 8,
     },
     "large": {
         "store_steps": 4000,
@@ -85,10 +87,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "idle_s": 120,
         "held": 100,
         "prune_steps": 1_000_000,
+        "startup_rounds": 12,
     },
 }
 SECTIONS = (
-    "store", "per_step", "resume", "cancel", "throughput", "prune", "idle", "operator", "memory"
+    "store", "per_step", "resume", "cancel", "throughput", "startup", "prune", "idle", "operator",
+    "memory",
 )
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
 WORKER_MEMORY_REQUEST_MIB = 256
@@ -210,7 +214,7 @@ def section(
 def run_all(
     preset: str, admin_url: str | None, only: set[str], log: Clock
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    from benchmarks import fleet_bench, prune_bench, store_bench, worker_bench
+    from benchmarks import fleet_bench, prune_bench, startup_bench, store_bench, worker_bench
     from benchmarks.throwaway_db import fresh_database, pick_admin_url, throwaway_database
 
     p = PRESETS[preset]
@@ -244,7 +248,8 @@ def run_all(
                 res["prune"] = asyncio.run(
                     prune_bench.prune_bench(url, steps=p["prune_steps"], log=log)
                 )
-        worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput") if n in only]
+        worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput", "startup")
+                       if n in only]
         if worker_sections:
             with contextlib.ExitStack() as stack:
                 try:
@@ -267,6 +272,11 @@ def run_all(
                     with section(res, errors, "cancel", log):
                         res["cancel"] = asyncio.run(
                             worker_bench.cancel_bench(url, p["cancel_repeat"], log)
+                        )
+                if "startup" in only and url:
+                    with section(res, errors, "startup", log):
+                        res["startup"] = asyncio.run(
+                            startup_bench.startup_bench(url, p["startup_rounds"], log)
                         )
                 if "throughput" in only and url:
                     with section(res, errors, "throughput", log):
@@ -393,6 +403,9 @@ F_CANCEL = "cancel during a model call"
 F_SFZ = "scale from zero (operator against the emulator)"
 F_SFZ_REAL = "scale from zero (operator against a real API server)"
 F_MEM = "memory per worker process (RSS)"
+F_START = "worker start-up, exec to first claim (benchmarks/startup_bench.py)"
+#: Issue 17's goal for F_START, in seconds.
+STARTUP_GOAL_S = 0.5
 F_FOLLOW = "store append, 16 writers, with followers (logs -f) vs before migration 0008"
 F_PRUNE = "prune of finished runs beside live appends (benchmarks/prune_bench.py)"
 NO_GOAL = "no goal set"
@@ -410,6 +423,7 @@ GOALS = {
     F_CANCEL: "< 1 s",
     F_SFZ: "< 2 s",
     F_SFZ_REAL: "< 2 s",
+    F_START: f"≤ {STARTUP_GOAL_S} s",
     F_MEM: f"1 run: ≤ {WORKER_MEMORY_REQUEST_MIB} MiB (the chart's request); 100 runs: "
     f"≤ {WORKER_MEMORY_LIMIT_MIB} MiB (the chart's limit)",
 }
@@ -422,6 +436,7 @@ SECTION_FIGURES = {
     "cancel": [F_CANCEL],
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
     "memory": [F_MEM],
+    "startup": [F_START],
     "prune": [F_PRUNE],
 }
 
@@ -590,6 +605,18 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
                 if real.get("api_server"):
                     shown += f" (kube-apiserver {real['api_server']})"
                 row(F_SFZ_REAL, shown, ms < 2000)
+    if not skipped("startup"):
+        su = res["startup"]
+        lazy, eager, turn = su["lazy_claim"], su["eager_claim"], su["lazy_turn"]
+        row(
+            F_START,
+            f"{lazy['median']:.2f} s median ({lazy['min']:.2f}-{lazy['max']:.2f}, "
+            f"{su['rounds']} starts); baseline, the SDK imported first: {eager['median']:.2f} s "
+            f"({eager['min']:.2f}-{eager['max']:.2f}), {su['claim_ratio_eager_over_lazy']:.1f}x; "
+            f"first model turn committed at {turn['median']:.2f} s "
+            f"(baseline {su['eager_turn']['median']:.2f} s)",
+            lazy["median"] <= STARTUP_GOAL_S,
+        )
     if not skipped("memory"):
         m = res["memory"]
         held = m["held"]
