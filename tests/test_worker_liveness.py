@@ -146,9 +146,14 @@ async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(
     await gone
     worker.active = {h.run.id: h for h in handles.values()}
     try:
-        beats = [asyncio.create_task(worker._heartbeat(h)) for h in handles.values()]
-        # Before, each heartbeat renewed its lease for as long as the process lived.
-        await asyncio.wait_for(asyncio.gather(*beats), 20)
+        beat = asyncio.create_task(worker._heartbeat())
+        # Before, the heartbeat renewed their leases for as long as the process lived.
+        try:
+            await wait_for(lambda: all(h.abort_reason == "stalled" for h in handles.values()),
+                           20, "both runs to be let go")
+        finally:
+            beat.cancel()
+            await asyncio.wait({beat}, timeout=5)
         assert not worker.health.alive()  # held runs, none progressing: /healthz says 503
         wedged = handles["wedged"].task
         await asyncio.wait({wedged}, timeout=10)

@@ -12,8 +12,8 @@ import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 import anthropic
 import pytest
@@ -30,7 +30,9 @@ class Injected(RuntimeError):
 
 
 class RenewFails(Store):
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> datetime:
+    async def renew_all(
+        self, leases: Sequence[Lease], *, ttl: float | None = None
+    ) -> dict[UUID, Exception]:
         raise Injected("renewal blew up")
 
 

@@ -3,7 +3,8 @@ control port, which listens on the loopback interface only.
 
 Liveness is progress, not process existence (invariant 8), on two clocks:
 
-* the loop's: it stamps :meth:`Health.progress` on every claim poll, lease renewal and step commit;
+* the loop's: it stamps :meth:`Health.progress` on every claim poll, lease renewal and step commit
+  (and a sleep of the claim loop between claims counts until its end: :meth:`Health.resting_until`);
   /healthz fails once no stamp is newer than the liveness threshold, so a worker wedged by a
   database outage (the seed's nine-hour incident: the process kept breathing while nothing moved)
   is restarted by Kubernetes. It turns healthy again by itself when PostgreSQL comes back;
@@ -149,6 +150,8 @@ class Health:
     #: Seconds since each held run last progressed (set by the worker).
     held_runs_idle: Callable[[], list[float]] = _no_runs
     last_progress: float = field(default_factory=time.monotonic)
+    #: Until when the claim loop sleeps by choice (monotonic; see :meth:`resting_until`).
+    resting: float = 0.0
     ready: bool = False
     draining: bool = False
     #: What the worker waits for before it can be ready (its schema), for /readyz to say.
@@ -160,8 +163,16 @@ class Health:
         self.last_progress = time.monotonic()
         self.metrics.last_progress.set(time.time())
 
+    def resting_until(self, until: float) -> None:
+        """The claim loop sleeps until ``until`` (monotonic) unless woken: an idle worker claims
+        once a minute or so (worker/settings.py idle_interval), beyond the liveness threshold,
+        and is not wedged while it sleeps. Counted as progress up to ``until``, not after: a loop
+        that does not come back by then fails /healthz one threshold later, as before."""
+        self.resting = until
+
     def stalled_for(self) -> float:
-        return time.monotonic() - self.last_progress
+        now = time.monotonic()
+        return now - max(self.last_progress, min(now, self.resting))
 
     def runs_stalled(self) -> bool:
         """The worker holds runs and none of them progressed within the budget."""

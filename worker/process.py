@@ -8,11 +8,15 @@ Beside the main claim loop run three kinds of side tasks (procrastinate's shape)
 * one listener on LISTEN/NOTIFY: a cancel of a held run aborts its task at once (an in-flight
   model call included), a newly claimable run wakes the claim loop; it reconnects by itself. The
   worker is ready, and makes its first claim, only once LISTEN is in place (and claims once more
-  after every reconnection), so no run waits a poll interval for want of a notification;
-* one heartbeat per held run: renews the lease when no commit did for a third of the TTL, so a
-  long model call or tool never lets the lease lapse, but only while the run makes progress
-  (worker/liveness.py): a stalled run is abandoned with an error saying why and its task is
-  stopped, never held; a renewal that finds the lease gone aborts the run;
+  after every reconnection), so no run waits a poll interval for want of a notification. While
+  it listens, an idle worker's claim loop makes one query per wake-up: a notification, the next
+  lease of another worker running out (the claim itself says when), or the idle interval (60 s)
+  as a safety net; while it reconnects, the loop polls every poll interval (5 s);
+* one heartbeat for all held runs: every third of the TTL it renews, in ONE fenced statement,
+  each held run no commit renewed within the last half of that, so a long model call or tool
+  never lets a lease lapse, but only while the run makes progress (worker/liveness.py): a
+  stalled run is abandoned with an error saying why and its task is stopped, never held; a run
+  the renewal finds gone (claimed again, cancelled) is aborted, the others go on;
 * the health server (/healthz, /readyz, /metrics) and, on 127.0.0.1 only, the control listener
   (/drain, for the pod's preStop hook).
 
@@ -35,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 from uuid import UUID
@@ -95,6 +99,22 @@ class SideTaskFailed(AgentrunError):
 NOT_FAILURES = (RunCancelled, WaitForApproval)
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def about(h: RunHandle) -> Iterator[None]:
+    """Log lines in this block are about ``h``'s run (they carry its id): for a side task that
+    acts on several runs, the heartbeat."""
+    token = current_run_id.set(h.run_id)
+    try:
+        yield
+    finally:
+        current_run_id.reset(token)
+
+
+def run_ids(handles: Iterable[RunHandle]) -> str:
+    """The ids of several runs, for a log line about all of them."""
+    return ", ".join(h.run_id for h in handles)
 
 
 @dataclass(frozen=True)
@@ -226,6 +246,10 @@ class Worker:
         self._signalled = asyncio.Event()
         self._drain_requested_over_http = False
         self._listening = asyncio.Event()
+        #: LISTEN is in place now (False while the listener reconnects): the claim loop may
+        #: sleep up to the idle interval rather than the poll interval.
+        self._listener_up = False
+        self._heart: asyncio.Task[None] | None = None
         self._draining = asyncio.Event()
         self.health_port: int | None = None
         self.control_port: int | None = None
@@ -255,6 +279,7 @@ class Worker:
             listener = watch(asyncio.create_task(self._listen(), name="listener"),
                              self._listener_died, forever=True)
             await self._until_listening()
+            self._start_heartbeat()
             claiming = asyncio.create_task(self._claim_loop(), name="claims")
             try:
                 runners = await starting
@@ -284,9 +309,10 @@ class Worker:
                 starting.cancel()
             with contextlib.suppress(BaseException):
                 runners = runners or await starting
-            if listener is not None:
-                listener.cancel()
-                await asyncio.wait({listener}, timeout=5)
+            for side in (listener, self._heart):
+                if side is not None:
+                    side.cancel()
+                    await asyncio.wait({side}, timeout=5)
             for runner in runners:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(runner.cleanup(), 5)
@@ -508,16 +534,19 @@ class Worker:
             # that lands while the claim query runs must not be erased. Clearing after the claim
             # once left a draining worker asleep for a whole poll interval.
             self._wake.clear()
-            wait = s.poll_interval
+            # Listening, a new run or a finished one wakes the loop, so it sleeps long; not
+            # listening (reconnecting), it polls: no notification would come.
+            wait = s.idle_interval if self._listener_up else s.poll_interval
             free = s.concurrency - len(self.active)
             if free > 0:
                 try:
                     sent = time.monotonic()  # the leases run from no earlier than this
                     result = await self.store.claim(s.pool, s.worker_id, free)
-                    if not result.claimed:
-                        expiry = await self.store.next_lease_expiry(s.pool, s.worker_id)
-                        if expiry is not None:
-                            wait = min(wait, max(expiry + 0.02, 0.02))
+                    # Another worker's lease that runs out is no notification: wake for it, so a
+                    # dead worker's run resumes within moments of its TTL (the claim said when,
+                    # in the same statement).
+                    if result.next_expiry is not None:
+                        wait = min(wait, max(result.next_expiry + 0.02, 0.02))
                     failures = 0
                     self.health.progress()
                 except DB_ERRORS as exc:
@@ -537,6 +566,7 @@ class Worker:
                         continue  # there may be more right away
             if self.draining:
                 break
+            self.health.resting_until(time.monotonic() + wait)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
 
@@ -553,10 +583,8 @@ class Worker:
     async def _hold(self, h: RunHandle) -> None:
         """Own one run from claim to release: its executor, its heartbeat, its outcome."""
         current_run_id.set(h.run_id)
-        # The claim's trace, current in this task (and the heartbeat's) until the finally below.
+        # The claim's trace, current in this task until the finally below.
         attempt = self.executor.tracing.attempt(h)
-        heartbeat = watch(asyncio.create_task(self._heartbeat(h), name=f"heartbeat-{h.run.id}"),
-                          lambda exc: self._heartbeat_died(h, exc))
         try:
             try:
                 outcome = await self.executor.advance(h)
@@ -599,7 +627,6 @@ class Worker:
             log.exception("unexpected error; giving the claim up")
             await self._quietly(self.store.abandon(h.lease, f"{type(exc).__name__}: {exc}"))
         finally:
-            heartbeat.cancel()
             self.active.pop(h.run.id, None)
             self.metrics.active_runs.set(len(self.active))
             self._wake.set()
@@ -642,49 +669,76 @@ class Worker:
         now = time.monotonic()
         return [h.progress.idle_for(now) for h in self.active.values()]
 
-    async def _heartbeat(self, h: RunHandle) -> None:
-        current_run_id.set(h.run_id)
-        s = self.settings
-        interval = s.lease_ttl / 3
+    def _start_heartbeat(self) -> None:
+        self._heart = watch(asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                            self._heartbeat_died, forever=True)
+
+    async def _heartbeat(self) -> None:
+        """Every third of the TTL, renew the held runs that need it in one statement (see
+        :meth:`_beat`); a second later after a failed renewal. Runs until cancelled."""
+        interval = self.settings.lease_ttl / 3
         while True:
-            await asyncio.sleep(max(0.05, h.last_renewed + interval - time.monotonic()))
-            if time.monotonic() - h.last_renewed < interval:
-                continue
+            delay = interval if await self._beat(interval) else 1.0
+            await asyncio.sleep(delay)
+
+    async def _beat(self, interval: float) -> bool:
+        """One heartbeat: renew, in ONE fenced statement, every held run that no commit renewed
+        within half an ``interval`` (so each is renewed before its lease is half gone: the next
+        beat is one interval away) and that makes progress; let a stalled one go; abort one the
+        renewal finds no longer ours (claimed again after its lease ran out, or cancelled), the
+        others going on. False when the renewal failed (the caller retries sooner)."""
+        s = self.settings
+        now = time.monotonic()
+        due: list[RunHandle] = []
+        for h in list(self.active.values()):
+            if h.abort_reason is not None or now - h.last_renewed < interval / 2:
+                continue  # being stopped, or a commit renewed it lately
             # A lease is renewed for a run that moves, not for a process that breathes: a run
             # whose task is wedged (a connection that died without a RST) must not be held.
             stalled = h.progress.stalled(s.progress_budget, h.task)
             if stalled is not None:
-                await self._let_go(h, stalled)
-                return
-            sent = time.monotonic()
-            try:
-                # A renewal slower than the TTL is worthless (the lease ran out meanwhile), and
-                # on a silently dead connection it would never return.
-                async with asyncio.timeout(s.lease_ttl):
-                    await self.store.renew(h.lease)
-            except RunCancelled:
-                h.abort("cancelled")
-                return
-            except LeaseLost:
-                h.abort("lease lost")
-                return
-            except TimeoutError:
-                log.warning("lease renewal got no answer within %gs", s.lease_ttl)
-                continue
-            except DB_ERRORS as exc:
-                log.warning("lease renewal failed: %s", " ".join(str(exc).split())[:200])
-                await asyncio.sleep(1)
-                continue
-            h.last_renewed = sent  # the database's expiry is counted from after this
-            self.health.progress()
+                with about(h):
+                    await self._let_go(h, stalled)
+            else:
+                due.append(h)
+        if not due:
+            return True
+        sent = time.monotonic()
+        try:
+            # A renewal slower than the TTL is worthless (the leases ran out meanwhile), and on
+            # a silently dead connection it would never return.
+            async with asyncio.timeout(s.lease_ttl):
+                lost = await self.store.renew_all([h.lease for h in due])
+        except TimeoutError:
+            log.warning("lease renewal got no answer within %gs (runs %s)", s.lease_ttl,
+                        run_ids(due))
+            return False
+        except DB_ERRORS as exc:
+            log.warning("lease renewal failed: %s (runs %s)", " ".join(str(exc).split())[:200],
+                        run_ids(due))
+            return False
+        for h in due:
+            why = lost.get(h.run.id)
+            if why is None:
+                # The database's expiry is counted from after this; a commit may have renewed
+                # it later meanwhile.
+                h.last_renewed = max(h.last_renewed, sent)
+            elif self.active.get(h.run.id) is h:  # not a run that ended meanwhile
+                h.abort("cancelled" if isinstance(why, RunCancelled) else "lease lost")
+        self.health.progress()
+        return True
 
-    def _heartbeat_died(self, h: RunHandle, exc: BaseException) -> None:
-        """A heartbeat that failed unexpectedly renews no more: the run is let go at once, as
-        if its lease were lost (it runs out, and the run resumes on the next claim), rather than
-        run on towards a lease that lapses under it."""
-        log.error("heartbeat failed (%s); letting the run go as if its lease were lost",
-                  describe(exc), extra={"run_id": h.run_id})
-        h.abort("lease lost")
+    def _heartbeat_died(self, exc: BaseException) -> None:
+        """A heartbeat that failed unexpectedly renews no more: each held run is let go at once,
+        as if its lease were lost (it runs out, and the run resumes on the next claim), rather
+        than run on towards a lease that lapses under it. A new heartbeat renews the runs
+        claimed from then on."""
+        for h in list(self.active.values()):
+            log.error("heartbeat failed (%s); letting the run go as if its lease were lost",
+                      describe(exc), extra={"run_id": h.run_id})
+            h.abort("lease lost")
+        if not self.draining:
+            self._start_heartbeat()
 
     def _listener_died(self, exc: BaseException) -> None:
         """The listener reconnects by itself after any error; one that dies all the same
@@ -712,6 +766,7 @@ class Worker:
         if not self._listening.is_set():
             log.info("listening for notifications")
         self._listening.set()
+        self._listener_up = True
         self._wake.set()  # claim once now: a run may have become claimable while not listening
 
     async def _listen(self) -> None:
@@ -738,6 +793,9 @@ class Worker:
                     " ".join(str(exc).split())[:120],
                     backoff,
                 )
+            # Deaf until LISTEN is back: the claim loop polls meanwhile (claiming once now).
+            self._listener_up = False
+            self._wake.set()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
             await self._recheck_held_runs()

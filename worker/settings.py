@@ -79,7 +79,11 @@ class WorkerSettings:
     pool: str = "default"
     concurrency: int = 4
     lease_ttl: float = DEFAULT_LEASE_TTL
-    poll_interval: float = 5.0  # safety net only: NOTIFY wakes the loop for new runs
+    # The claim loop sleeps until a NOTIFY (a new run, a finished one), the next foreign lease
+    # expiry (the claim returns it), or at most this long while LISTEN is in place...
+    idle_interval: float = 60.0
+    # ...and at most this long while it is not (the listener is reconnecting: no NOTIFY comes).
+    poll_interval: float = 5.0
     drain_grace: float = DEFAULT_DRAIN_GRACE  # under Kubernetes' default grace period of 30 s
     liveness_threshold: float = 60.0
     progress_budget: float = DEFAULT_PROGRESS_BUDGET  # see worker/liveness.py
@@ -107,6 +111,7 @@ class WorkerSettings:
             concurrency=env_int(env_name("--concurrency"), d.concurrency),
             lease_ttl=env_float(env_name("--lease-ttl"), d.lease_ttl),
             poll_interval=env_float(env_name("--poll-interval"), d.poll_interval),
+            idle_interval=env_float(env_name("--idle-interval"), d.idle_interval),
             drain_grace=env_float(DRAIN_GRACE_ENV, d.drain_grace),
             liveness_threshold=env_float(env_name("--liveness-threshold"),
                                          d.liveness_threshold),
@@ -143,6 +148,8 @@ def check_settings(s: WorkerSettings) -> None:
                   f"must be at least 1 (seconds; default {DEFAULT_LEASE_TTL:g})")
     if not (finite(s.poll_interval) and s.poll_interval > 0):
         raise bad("--poll-interval", s.poll_interval, "must be more than 0 (seconds; default 5)")
+    if not (finite(s.idle_interval) and s.idle_interval > 0):
+        raise bad("--idle-interval", s.idle_interval, "must be more than 0 (seconds; default 60)")
     if not (finite(s.drain_grace) and s.drain_grace >= 0):
         raise bad("--drain-grace", s.drain_grace,
                   f"must be 0 or more (seconds; default {DEFAULT_DRAIN_GRACE:g})")

@@ -739,8 +739,9 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
 
 #: ``agentrun worker``'s flags that override a WorkerSettings field of the same name (the rest
 #: are handled by hand in worker_settings).
-_WORKER_FLAGS = ("pool", "concurrency", "lease_ttl", "poll_interval", "drain_grace",
-                 "liveness_threshold", "progress_budget", "tool_timeout", "worker_id")
+_WORKER_FLAGS = ("pool", "concurrency", "lease_ttl", "poll_interval", "idle_interval",
+                 "drain_grace", "liveness_threshold", "progress_budget", "tool_timeout",
+                 "worker_id")
 
 
 def worker_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -1090,7 +1091,11 @@ def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentP
     flag("--lease-ttl", w.lease_ttl,
          "seconds a claim lasts unless renewed: how soon a dead worker's runs resume", type=float)
     flag("--poll-interval", w.poll_interval,
-         "seconds between claims when no notification wakes the worker", type=float)
+         "seconds between claims while the worker is not listening for notifications "
+         "(its listener reconnects)", type=float)
+    flag("--idle-interval", w.idle_interval,
+         "the longest an idle worker waits between claims while it listens: new runs wake "
+         "it, and it wakes by itself when another worker's lease runs out", type=float)
     flag("--drain-grace", w.drain_grace,
          "seconds a draining worker (SIGTERM) lets its runs reach a step boundary", type=float)
     flag("--liveness-threshold", w.liveness_threshold,

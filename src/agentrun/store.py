@@ -522,6 +522,10 @@ class Approval:
 class ClaimResult:
     claimed: list[tuple[Run, Lease]]
     dead_lettered: list[Run]
+    #: Seconds until the earliest lease of another worker in the pool runs out (negative: one
+    #: ran out and another claim holds it right now), None if no other worker holds a run: the
+    #: claim found out in the same statement, so an idle worker's empty claim is one query.
+    next_expiry: float | None = None
 
 
 @dataclass(frozen=True)
@@ -814,14 +818,14 @@ class Store:
         """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
         the namespaces' quotas."""
         params = {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl}
-        rows = await self._claim_rows(params)
+        rows, next_expiry = await self._claim_rows(params)
         claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
         for r in dead:
             log.warning(
                 "run %s dead-lettered after %d claims", r.id, r.attempt, extra={"run_id": str(r.id)}
             )
-        return ClaimResult(claimed=claimed, dead_lettered=dead)
+        return ClaimResult(claimed=claimed, dead_lettered=dead, next_expiry=next_expiry)
 
     # -- tools served ---------------------------------------------------------------------------
 
@@ -876,20 +880,28 @@ class Store:
             cur = await conn.execute(queries["list_quotas"])
             return [Quota(str(n), int(m), int(r)) for n, m, r in await cur.fetchall()]
 
-    async def _claim_rows(self, params: dict[str, Any], tries: int = 3) -> list[Run]:
-        """The claim statement's rows. A claim locks quota rows in namespace order; a statement
-        that ends runs of several namespaces at once takes theirs in row order. PostgreSQL breaks
-        such a cycle by failing one side: nothing was claimed, so claiming again is safe."""
+    async def _claim_rows(
+        self, params: dict[str, Any], tries: int = 3
+    ) -> tuple[list[Run], float | None]:
+        """The claim statement's runs and its next foreign lease expiry. A claim locks quota rows
+        in namespace order; a statement that ends runs of several namespaces at once takes theirs
+        in row order. PostgreSQL breaks such a cycle by failing one side: nothing was claimed, so
+        claiming again is safe."""
         for attempt in range(1, tries + 1):
             try:
                 async with self.pool.connection() as conn:
-                    cur = conn.cursor(row_factory=class_row(Run))
+                    cur = conn.cursor(row_factory=_claim_row)
                     await cur.execute(queries["claim_runs"], params)
-                    return await cur.fetchall()
+                    rows = await cur.fetchall()
+                    break
             except psycopg.errors.DeadlockDetected:
                 if attempt == tries:
                     raise
-        raise AssertionError("tries must be at least 1")
+        else:
+            raise AssertionError("tries must be at least 1")
+        # Every row carries the expiry; a lone row without a run says only that.
+        next_expiry = rows[0][1] if rows else None
+        return [run for run, _ in rows if run is not None], next_expiry
 
     async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
@@ -903,6 +915,36 @@ class Store:
         row = await self._fenced("renew_lease", lease, ttl=ttl)
         until: datetime = row[0]
         return until
+
+    async def renew_all(
+        self, leases: Sequence[Lease], *, ttl: float | None = None
+    ) -> dict[UUID, Exception]:
+        """Renew the leases of one worker in one statement, each fenced on its own epoch (the
+        worker's heartbeat, whatever the number of runs it holds). Returns the runs not renewed,
+        each with the error a single renewal would have raised (:class:`LeaseLost`,
+        :class:`RunCancelled`, :class:`RunNotFound`), read in one more query only then."""
+        if not leases:
+            return {}
+        workers = {lease.worker for lease in leases}
+        if len(workers) != 1:
+            raise ValueError(f"renew_all renews the leases of one worker, not {sorted(workers)}")
+        params = {
+            "worker": workers.pop(),
+            "run_ids": [lease.run_id for lease in leases],
+            "epochs": [lease.epoch for lease in leases],
+            "ttl": ttl if ttl is not None else self.lease_ttl,
+        }
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["renew_leases"], params)
+            renewed = {row[0] for row in await cur.fetchall()}
+            lost = [lease for lease in leases if lease.run_id not in renewed]
+            if not lost:
+                return {}
+            explain = conn.cursor(row_factory=dict_row)
+            await explain.execute(queries["fence_states"],
+                                  {"ids": [lease.run_id for lease in lost]})
+            states = {row["id"]: row for row in await explain.fetchall()}
+        return {lease.run_id: _fence_error(states.get(lease.run_id), lease) for lease in lost}
 
     async def append_step(
         self,
@@ -956,15 +998,6 @@ class Store:
     async def abandon(self, lease: Lease, error: str) -> bool:
         """Give the claim up, keeping the attempt spent (see queries.sql abandon_run)."""
         return await self._fenced("abandon_run", lease, required=False, error=error) is not None
-
-    async def next_lease_expiry(self, pool: str, worker: str) -> float | None:
-        """Seconds until the earliest lease of ``pool`` held by another worker expires."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["next_lease_expiry"], {"pool": pool, "worker": worker})
-            row = await cur.fetchone()
-        if row is None or row[0] is None:
-            return None
-        return float(row[0].total_seconds())
 
     async def run_statuses(self, ids: Sequence[UUID]) -> dict[UUID, tuple[str, int]]:
         async with self.pool.connection() as conn:
@@ -1420,16 +1453,40 @@ class Store:
         """Explain why a fenced write matched nothing."""
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(queries["fence_state"], {"run_id": lease.run_id})
-        row = await cur.fetchone()
-        rid = str(lease.run_id)
-        if row is None:
-            return RunNotFound(rid)
-        if row["status"] == "cancelled":
-            return RunCancelled(rid)
-        if row["lease_epoch"] != lease.epoch:
-            return LeaseLost(
-                rid,
-                f"claimed again (epoch {row['lease_epoch']}, by {row['lease_owner']}); "
-                f"this worker held epoch {lease.epoch}",
-            )
-        return LeaseLost(rid, f"run is {row['status']}, no longer running under this lease")
+        return _fence_error(await cur.fetchone(), lease)
+
+
+def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
+    """Why a fenced write for ``lease`` matched nothing, from the run's status, owner and epoch
+    (queries.sql fence_state; None: no such run)."""
+    rid = str(lease.run_id)
+    if row is None:
+        return RunNotFound(rid)
+    if row["status"] == "cancelled":
+        return RunCancelled(rid)
+    if row["lease_epoch"] != lease.epoch:
+        return LeaseLost(
+            rid,
+            f"claimed again (epoch {row['lease_epoch']}, by {row['lease_owner']}); "
+            f"this worker held epoch {lease.epoch}",
+        )
+    return LeaseLost(rid, f"run is {row['status']}, no longer running under this lease")
+
+
+#: A row of queries.sql claim_runs: the run claimed (or none) and the next foreign lease expiry.
+ClaimRow = tuple[Run | None, float | None]
+
+
+def _claim_row(cursor: psycopg.AsyncCursor[Any]) -> Callable[[Sequence[Any]], ClaimRow]:
+    """Rows of queries.sql claim_runs: the claimed run (None on the row that says only the
+    expiry) and the next foreign lease expiry."""
+    names = [c.name for c in cursor.description or ()]
+    run_names, id_at = names[:-1], names.index("id")
+
+    def make(values: Sequence[Any]) -> ClaimRow:
+        expiry = values[-1]
+        if values[id_at] is None:
+            return None, expiry
+        return Run(**dict(zip(run_names, values[:-1], strict=True))), expiry
+
+    return make

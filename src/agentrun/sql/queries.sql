@@ -50,6 +50,14 @@ SELECT * FROM agent_run
 -- deaths between steps of a healthy run never add up to a dead letter. The epoch is bumped
 -- either way, so a worker still holding an old claim is fenced off.
 --
+-- O(claimed), not O(held) (migration 0015): the pending runs come from agent_run_pending_idx,
+-- the expired leases from agent_run_lease_idx (expired ones first in it), each branch the oldest
+-- `limit` it may lock, and the claim takes the oldest `limit` of both: the same runs as one scan
+-- of every claimable run in created_at order would take (the oldest N of a union are among the
+-- oldest N of each part). A held run is never read. Each branch locks as it goes (a run another
+-- claim holds is skipped, the next one taken); a run locked by one branch and not taken stays
+-- unclaimed and is unlocked at the statement's commit.
+--
 -- Quotas (migration 0012): a pending run of a namespace at its quota is passed over, as this
 -- statement's snapshot sees the quota, so a noisy namespace's backlog cannot fill the batch and
 -- starve the runs behind it. The snapshot may be stale, so admission is decided again on the
@@ -58,19 +66,38 @@ SELECT * FROM agent_run
 -- another claim changed meanwhile, so two claims can never both take the last slot. The starting
 -- runs of a namespace past its grant stay pending. An expired running run is taken back whatever
 -- the quota: it was counted when it started.
-WITH candidate AS (
+--
+-- Every call returns at least one row: next_expiry (seconds from now, null if none) is when the
+-- earliest lease of another worker in the pool runs out, left out the runs this claim takes, so
+-- an idle worker sleeps until then in the same round trip (worker/process.py _claim_loop); a
+-- row whose id is null carries only it (nothing was claimed). Served by agent_run_lease_idx.
+WITH pending AS (
     SELECT id, k8s_namespace, status, max_attempts, created_at,
            CASE WHEN next_seq > claim_seq THEN 0 ELSE stalled_attempts END AS stalled
       FROM agent_run r
      WHERE pool = %(pool)s
-       AND status IN ('pending', 'running')
-       AND (lease_until IS NULL OR lease_until < now())
-       AND NOT (status = 'pending' AND EXISTS (
+       AND status = 'pending'
+       AND (lease_until IS NULL OR lease_until < now())  -- each way back to pending clears it
+       AND NOT EXISTS (
                SELECT 1 FROM namespace_quota q
-                WHERE q.namespace = r.k8s_namespace AND q.running >= q.max_running))
+                WHERE q.namespace = r.k8s_namespace AND q.running >= q.max_running)
      ORDER BY created_at, id
      LIMIT %(limit)s
-     FOR UPDATE SKIP LOCKED
+       FOR UPDATE SKIP LOCKED
+), expired AS (
+    SELECT id, k8s_namespace, status, max_attempts, created_at,
+           CASE WHEN next_seq > claim_seq THEN 0 ELSE stalled_attempts END AS stalled
+      FROM agent_run
+     WHERE pool = %(pool)s
+       AND status = 'running'
+       AND lease_until < now()  -- never null while running: only this statement makes a run so
+     ORDER BY created_at, id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT * FROM (SELECT * FROM pending UNION ALL SELECT * FROM expired) both_kinds
+     ORDER BY created_at, id
+     LIMIT %(limit)s
 ), starting AS (
     SELECT id, k8s_namespace,
            row_number() OVER (PARTITION BY k8s_namespace ORDER BY created_at, id) AS rank
@@ -93,30 +120,39 @@ WITH candidate AS (
 ), refused AS (
     SELECT s.id FROM starting s JOIN granted g ON g.namespace = s.k8s_namespace
      WHERE s.rank > g.last_grant
+), claimed AS (
+    UPDATE agent_run r
+       SET status      = CASE WHEN c.stalled >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
+           lease_owner = CASE WHEN c.stalled >= r.max_attempts THEN NULL ELSE %(worker)s END,
+           lease_until = CASE WHEN c.stalled >= r.max_attempts THEN NULL
+                              ELSE now() + make_interval(secs => %(ttl)s) END,
+           lease_epoch = r.lease_epoch + 1,
+           attempt     = CASE WHEN c.stalled >= r.max_attempts THEN r.attempt
+                              ELSE r.attempt + 1 END,
+           stalled_attempts = CASE WHEN c.stalled >= r.max_attempts THEN c.stalled
+                                   ELSE c.stalled + 1 END,
+           claim_seq   = r.next_seq,
+           error       = CASE WHEN c.stalled >= r.max_attempts
+                              THEN format('dead-lettered: claimed %%s times in a row without '
+                                          'committing a step (maxAttempts %%s; %%s claims in '
+                                          'all); last error: %%s',
+                                          c.stalled, r.max_attempts, r.attempt,
+                                          coalesce(r.error, 'none'))
+                              ELSE r.error END,
+           started_at  = coalesce(r.started_at, now()),
+           finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END
+      FROM candidate c
+     WHERE r.id = c.id
+       AND r.id NOT IN (SELECT id FROM refused)
+    RETURNING r.*
+), expiry AS (
+    SELECT extract(epoch FROM min(lease_until) - now())::float8 AS next_expiry
+      FROM agent_run
+     WHERE pool = %(pool)s AND status = 'running'
+       AND lease_owner IS DISTINCT FROM %(worker)s
+       AND id NOT IN (SELECT id FROM candidate)
 )
-UPDATE agent_run r
-   SET status      = CASE WHEN c.stalled >= r.max_attempts THEN 'dead_letter' ELSE 'running' END,
-       lease_owner = CASE WHEN c.stalled >= r.max_attempts THEN NULL ELSE %(worker)s END,
-       lease_until = CASE WHEN c.stalled >= r.max_attempts THEN NULL
-                          ELSE now() + make_interval(secs => %(ttl)s) END,
-       lease_epoch = r.lease_epoch + 1,
-       attempt     = CASE WHEN c.stalled >= r.max_attempts THEN r.attempt ELSE r.attempt + 1 END,
-       stalled_attempts = CASE WHEN c.stalled >= r.max_attempts THEN c.stalled
-                               ELSE c.stalled + 1 END,
-       claim_seq   = r.next_seq,
-       error       = CASE WHEN c.stalled >= r.max_attempts
-                          THEN format('dead-lettered: claimed %%s times in a row without '
-                                      'committing a step (maxAttempts %%s; %%s claims in all); '
-                                      'last error: %%s',
-                                      c.stalled, r.max_attempts, r.attempt,
-                                      coalesce(r.error, 'none'))
-                          ELSE r.error END,
-       started_at  = coalesce(r.started_at, now()),
-       finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END
-  FROM candidate c
- WHERE r.id = c.id
-   AND r.id NOT IN (SELECT id FROM refused)
-RETURNING r.*;
+SELECT claimed.*, expiry.next_expiry FROM expiry LEFT JOIN claimed ON true;
 
 -- quota_count_running --
 -- A namespace's running runs, for a new quota row (taken under agent_run's SHARE lock).
@@ -199,6 +235,17 @@ UPDATE agent_run
    AND status = 'running'
 RETURNING lease_until;
 
+-- renew_leases --
+-- The worker's heartbeat for every held run that is due, in one statement whatever their number
+-- (Store.renew_all): each row is fenced by its own epoch, as renew_lease is; the ids returned
+-- were renewed, the others are no longer this worker's (fence_states says why).
+UPDATE agent_run
+   SET lease_until = now() + make_interval(secs => %(ttl)s)
+  FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[]) AS held(run_id, epoch)
+ WHERE id = held.run_id
+   AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
+RETURNING id;
+
 -- release_lease --
 -- A graceful hand-off (SIGTERM drain): the run is claimable at once, not after the lease TTL, and
 -- the attempt is given back, since a deploy is not a sign of a poison run.
@@ -238,19 +285,25 @@ RETURNING *;
 -- Only read after a fenced statement matched nothing, to say why.
 SELECT status, lease_owner, lease_epoch FROM agent_run WHERE id = %(run_id)s;
 
+-- fence_states --
+-- fence_state of several runs at once: after renew_leases left some out.
+SELECT id, status, lease_owner, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
+
 -- list_steps --
 -- Every step of a run, in order.
 SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
   FROM agent_step WHERE run_id = %(run_id)s ORDER BY seq;
 
 -- pool_depth --
--- Served by agent_run_claimable_idx: finished runs are never read.
-SELECT pool,
-       count(*) FILTER (WHERE status = 'pending')  AS pending,
-       count(*) FILTER (WHERE status = 'running')  AS running,
-       min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
-  FROM agent_run
- WHERE status IN ('pending', 'running')
+-- Pending and running runs of every pool, each status counted from its own index
+-- (agent_run_pending_idx, agent_run_lease_idx): finished runs are never read.
+SELECT pool, sum(pending)::bigint AS pending, sum(running)::bigint AS running,
+       min(oldest_pending) AS oldest_pending
+  FROM (SELECT pool, count(*) AS pending, 0 AS running, min(created_at) AS oldest_pending
+          FROM agent_run WHERE status = 'pending' GROUP BY pool
+        UNION ALL
+        SELECT pool, 0, count(*), NULL
+          FROM agent_run WHERE status = 'running' GROUP BY pool) by_status
  GROUP BY pool;
 
 -- ping --
@@ -291,14 +344,6 @@ UPDATE agent_run
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING id;
-
--- next_lease_expiry --
--- When a claim found nothing, the poller sleeps until the earliest lease of another worker runs
--- out, so a dead worker's run is resumed within moments of its TTL instead of a poll interval.
--- (Its own leases are left out: it renews them, and waking for them would be for nothing.)
-SELECT min(lease_until) - now() AS wait FROM agent_run
- WHERE pool = %(pool)s AND status = 'running' AND lease_until IS NOT NULL
-   AND lease_owner IS DISTINCT FROM %(worker)s;
 
 -- run_statuses --
 -- Status and epoch of several runs at once (a worker checking the runs it holds).
@@ -471,6 +516,7 @@ UPDATE agent_run
 
 -- lease_holders --
 -- Which workers hold how many runs of a pool: busy pods get a higher pod-deletion-cost.
+-- Served by agent_run_lease_idx alone (it includes lease_owner).
 SELECT lease_owner AS worker, count(*) AS held
   FROM agent_run
  WHERE pool = %(pool)s AND status = 'running' AND lease_owner IS NOT NULL

@@ -335,11 +335,13 @@ ALTER TABLE ONLY public.tool_effect
 ALTER TABLE ONLY public.worker_loss
     ADD CONSTRAINT worker_loss_pkey PRIMARY KEY (worker);
 
-CREATE INDEX agent_run_claimable_idx ON public.agent_run USING btree (pool, created_at, id) WHERE (status = ANY (ARRAY['pending'::text, 'running'::text]));
-
 CREATE INDEX agent_run_finished_idx ON public.agent_run USING btree (finished_at, id) WHERE (status = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead_letter'::text]));
 
 CREATE INDEX agent_run_k8s_live_idx ON public.agent_run USING btree (id) WHERE ((k8s_uid IS NOT NULL) AND (status = ANY (ARRAY['pending'::text, 'running'::text, 'waiting_approval'::text])));
+
+CREATE INDEX agent_run_lease_idx ON public.agent_run USING btree (pool, lease_until) INCLUDE (lease_owner) WHERE (status = 'running'::text);
+
+CREATE INDEX agent_run_pending_idx ON public.agent_run USING btree (pool, created_at, id) WHERE (status = 'pending'::text);
 
 CREATE TRIGGER agent_run_handover BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN ((new.lease_epoch IS DISTINCT FROM old.lease_epoch)) EXECUTE FUNCTION public.agentrun_handover_v1();
 
