@@ -206,7 +206,8 @@ class CountingStore(Store):
     ) -> dict[UUID, Exception]:
         lost = await super().renew_all(leases, ttl=ttl)
         self.counts["renewals"] += 1
-        self.counts["statements"] += 1 + bool(lost)  # renew_leases, and fence_states when some were lost
+        # renew_leases, and fence_states when some were lost
+        self.counts["statements"] += 1 + bool(lost)
         return lost
 
     async def renew(self, lease: Lease, *, ttl: float | None = None) -> Any:
