@@ -62,6 +62,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 10,
         "prune_steps": 20_000,
         "startup_rounds": 1,
+        "claim_held": 2000,
+        "claim_rounds": 20,
     },
     "small": {
         "store_steps": 1000,
@@ -75,6 +77,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 100,
         "prune_steps": 200_000,
         "startup_rounds": 8,
+        "claim_held": 10_000,
+        "claim_rounds": 200,
     },
     "large": {
         "store_steps": 4000,
@@ -88,16 +92,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 100,
         "prune_steps": 1_000_000,
         "startup_rounds": 12,
+        "claim_held": 10_000,
+        "claim_rounds": 500,
     },
 }
 SECTIONS = (
-    "store", "per_step", "resume", "cancel", "throughput", "startup", "prune", "idle", "operator",
-    "memory",
+    "store", "claim", "per_step", "resume", "cancel", "throughput", "startup", "prune", "idle",
+    "operator", "memory",
 )
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
 WORKER_MEMORY_REQUEST_MIB = 256
 WORKER_MEMORY_LIMIT_MIB = 512
-IDLE_WORKER_GOAL_QPM = 30
+IDLE_WORKER_GOAL_QPM = 6
 MISSING_OPERATOR = "not measured (operator bench missing)"
 
 
@@ -214,7 +220,14 @@ def section(
 def run_all(
     preset: str, admin_url: str | None, only: set[str], log: Clock
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    from benchmarks import fleet_bench, prune_bench, startup_bench, store_bench, worker_bench
+    from benchmarks import (
+        claim_bench,
+        fleet_bench,
+        prune_bench,
+        startup_bench,
+        store_bench,
+        worker_bench,
+    )
     from benchmarks.throwaway_db import fresh_database, pick_admin_url, throwaway_database
 
     p = PRESETS[preset]
@@ -240,6 +253,17 @@ def run_all(
                     f"store: append {s['append_1_ratio']:.2f}x raw (1 writer), "
                     f"{s['append_16_ratio']:.2f}x (16); {s['claims_per_s']:.0f} claims/s"
                 )
+        if "claim" in only:
+            with section(res, errors, "claim", log):
+                with throwaway_database("agentrun_rc", admin) as url:
+                    res["claim"] = claim_bench.claim_latency(
+                        url, p["claim_held"], p["claim_rounds"])
+                with throwaway_database("agentrun_rh", admin) as url:
+                    res["claim"]["heartbeat"] = asyncio.run(
+                        claim_bench.heartbeat_load(url, p["held"], p["lease_ttl"]))
+                c = res["claim"]
+                log(f"claim: {c['new_held_p50_ms']:.2f} ms with {c['held']} held runs, "
+                    f"{c['ratio_new']:.2f}x none held (old statement {c['ratio_old']:.2f}x)")
         if "prune" in only:
             with (
                 section(res, errors, "prune", log),
@@ -396,6 +420,8 @@ F_XACT = "transactions per append"
 F_TPUT = "steps/s with {w} worker process{es} (by concurrent runs per worker)"
 F_CLAIM = "claims per second (1 claimer, 1 run per claim)"
 F_IDLE = "idle database load, one worker"
+F_CLAIM_HELD = "claim with many held runs in the pool vs none held (same sitting)"
+F_BEAT = "heartbeat statements per minute, one worker holding many runs"
 F_OP_IDLE = "idle database load, operator"
 F_KILL = "resume after SIGKILL"
 F_TERM = "resume after SIGTERM"
@@ -416,7 +442,9 @@ GOALS = {
     F_CLAIM: NO_GOAL,
     F_FOLLOW: "no follower: ≥ 0.9x (noise)",
     F_PRUNE: "no live step touched, no writer waits on a lock, every old finished run gone",
-    F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (one claim and one lease check per 5 s poll)",
+    F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (1 per 10 s)",
+    F_CLAIM_HELD: "O(1) in held runs: ≤ 1.3x none held, buffers not growing; ≤ 0.5 ms",
+    F_BEAT: "one statement per heartbeat interval per worker, whatever the runs held",
     F_OP_IDLE: NO_GOAL,
     F_KILL: "≤ lease TTL + 1 s",
     F_TERM: "< 1 s",
@@ -432,6 +460,7 @@ SECTION_FIGURES = {
     "store": [F_APPEND, F_XACT, F_CLAIM, F_FOLLOW],
     "throughput": ["steps/s with 1 and 2 worker processes"],
     "idle": [F_IDLE],
+    "claim": [F_CLAIM_HELD, F_BEAT],
     "resume": [F_KILL, F_TERM],
     "cancel": [F_CANCEL],
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
@@ -518,6 +547,31 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
             f"{lk['writer_lock_waits_seen']} lock waits seen; "
             + ("checks passed" if not r["problems"] else "; ".join(r["problems"])),
             not r["problems"] and lk["writer_lock_waits_seen"] == 0,
+        )
+    if not skipped("claim"):
+        c = res["claim"]
+        v, ex = c["variants"], c["explained"]
+        spread = v["new, held"]
+        row(
+            F_CLAIM_HELD,
+            f"{c['new_held_p50_ms']:.2f} ms p50 with {c['held']:,} held (p10-p90 "
+            f"{spread['p10_ms']:.2f}-{spread['p90_ms']:.2f}), {c['ratio_new']:.2f}x the "
+            f"{v['new, none held']['p50_ms']:.2f} ms with none; buffers "
+            f"{ex['new, held']['buffers']} vs {ex['new, none held']['buffers']}; execution "
+            f"{ex['new, held']['execution_ms']:.2f} ms + planning "
+            f"{ex['new, held']['planning_ms']:.2f} ms. Old statement: {c['ratio_old']:.2f}x "
+            f"({c['old_held_p50_ms']:.2f} ms, {ex['old, held']['buffers']} buffers)",
+            c["ratio_new"] <= 1.3 and c["new_held_p50_ms"] <= 0.5,
+        )
+        b = c["heartbeat"]
+        per_interval = b["statements_per_minute"] * b["lease_ttl_s"] / 3 / 60
+        row(
+            F_BEAT,
+            f"{b['statements_per_minute']:.0f}/min with {b['held_runs']} held runs at a "
+            f"{b['lease_ttl_s']:g} s TTL ({per_interval:.2f} per interval; "
+            f"{b['per_minute_at_default_ttl']:.0f}/min at the default 15 s TTL); before: "
+            f"{b['before_statements_per_minute']:,.0f}/min (one per run per interval)",
+            per_interval <= 1.05,
         )
     if not skipped("idle"):
         q = res["idle"]["queries_per_minute"]
@@ -754,7 +808,8 @@ def markdown(res: dict[str, Any], errors: dict[str, str], table: list[Row], runt
             "",
             "## Idle database load",
             "",
-            f"One `agentrun worker` with default settings (5 s poll, 15 s lease) and no runs, "
+            f"One `agentrun worker` with default settings (listening: 60 s idle interval, 15 s "
+            f"lease) and no runs, "
             f"measured for {s['seconds']:.0f} s once it was ready. Method: "
             + (
                 "`pg_stat_statements` (preloaded on the report's own server): the sum of `calls` "

@@ -44,6 +44,7 @@ WORKER_CASES = [
     (["--lease-ttl", "0.2"], "--lease-ttl 0.2 (AGENTRUN_LEASE_TTL): must be at least 1"),
     (["--lease-ttl", "nan"], "--lease-ttl nan (AGENTRUN_LEASE_TTL): must be at least 1"),
     (["--poll-interval", "0"], "--poll-interval 0.0 (AGENTRUN_POLL_INTERVAL): must be more"),
+    (["--idle-interval", "0"], "--idle-interval 0.0 (AGENTRUN_IDLE_INTERVAL): must be more"),
     (["--drain-grace", "-1"], "--drain-grace -1.0 (AGENTRUN_DRAIN_GRACE): must be 0 or more"),
     (["--liveness-threshold", "0"], "--liveness-threshold 0.0 (AGENTRUN_LIVENESS_THRESHOLD)"),
     (["--model-retries", "-1"], "--model-retries -1 (AGENTRUN_MODEL_RETRIES): must be 0 or"),

@@ -1,0 +1,168 @@
+"""Issue 17, the worker's side: the claim does not read held runs, an empty claim says when the
+next foreign lease runs out (one query), an idle worker sleeps until then, and one heartbeat
+statement renews every held run that is due, dropping only the ones fenced off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anthropic
+import psycopg
+import pytest
+from benchmarks.claim_bench import add_runs, explain_claim
+
+from agentrun.errors import LeaseLost, RunCancelled
+from agentrun.sql import queries
+from agentrun.store import ClaimResult, Store
+from agentrun.tools import ToolRegistry
+from agentrun.worker.executor import RunHandle
+from agentrun.worker.process import Worker, WorkerSettings
+from tests.workerkit import AGENT, wait_for
+
+HELD = 2000
+
+
+def test_the_claim_takes_a_pending_run_past_held_runs_without_reading_them(
+    database_url: str,
+) -> None:
+    # Before migration 0015 the claim walked every run held longer than the oldest pending one
+    # (96 buffers with 2,000 held runs here, against 23 with none).
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        add_runs(conn, "held", HELD, held_by="another-worker", age_s=7200)
+        for pool in ("held", "empty"):
+            add_runs(conn, pool, 3, held_by=None, age_s=60)
+        conn.execute("VACUUM (ANALYZE) agent_run")  # as autovacuum leaves a table: hint bits set
+        for pool in ("held", "empty"):
+            explain_claim(conn, queries["claim_runs"], pool)  # the catalog caches warm
+        held = explain_claim(conn, queries["claim_runs"], "held")
+        empty = explain_claim(conn, queries["claim_runs"], "empty")
+        assert held["buffers"] <= empty["buffers"] + 8, (held, empty)
+        rows = conn.execute(queries["claim_runs"], {
+            "pool": "held", "worker": "w", "limit": 2, "ttl": 60.0}).fetchall()
+    claimed = [r for r in rows if r[0] is not None]
+    assert len(claimed) == 2  # the two oldest pending runs, past the held ones
+    next_expiry = rows[0][-1]
+    assert 3500 < next_expiry <= 3600  # the held runs' hour-long leases
+
+
+async def test_an_empty_claim_says_when_another_workers_lease_runs_out(store: Store) -> None:
+    await store.create_run("held elsewhere", AGENT)
+    assert (await store.claim("default", "other", 1, ttl=30)).claimed
+    empty = await store.claim("default", "w", 1)
+    assert empty.claimed == [] and empty.next_expiry is not None
+    assert 25 < empty.next_expiry <= 30
+    # Its own leases are not waited for: it renews them.
+    mine = await store.claim("default", "other", 1)
+    assert mine.claimed == [] and mine.next_expiry is None
+    # Nothing held in the pool: nothing to wait for.
+    assert (await store.claim("nobody-here", "w", 1)).next_expiry is None
+
+
+async def test_one_statement_renews_the_held_runs_and_drops_a_zombie(
+    store: Store, database_url: str
+) -> None:
+    for i in range(4):
+        await store.create_run(f"held #{i}", AGENT)
+    claimed = (await store.claim("default", "w", 4, ttl=5)).claimed
+    leases = {run.task: lease for run, lease in claimed}
+    zombie, cancelled = leases["held #0"], leases["held #1"]
+    # held #0's lease runs out and another worker claims it (its epoch is bumped): w is a zombie.
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("UPDATE agent_run SET lease_until = now() - interval '1 second'"
+                           " WHERE id = %s", (zombie.run_id,))
+    taken = await store.claim("default", "z", 1)
+    assert [lease.run_id for _, lease in taken.claimed] == [zombie.run_id]
+    await store.cancel(cancelled.run_id)
+
+    settings = WorkerSettings(lease_ttl=60, health_port=None, worker_id="w")
+    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="unused")
+    renewals: list[int] = []
+    original = store.renew_all
+
+    async def counted(ls: Sequence[Any], *, ttl: float | None = None) -> Any:
+        renewals.append(len(ls))
+        return await original(ls, ttl=ttl)
+
+    store.renew_all = counted  # type: ignore[method-assign]
+    worker = Worker(store, client, ToolRegistry(), settings)
+    worker.store.renew_all = counted  # type: ignore[method-assign]
+    idle = asyncio.Event()
+    handles = []
+    for run, lease in claimed:
+        h = RunHandle(run, lease, lease_ttl=5, last_renewed=time.monotonic() - 30)
+        h.task = asyncio.create_task(idle.wait())
+        h.progress.begin("model call")
+        handles.append(h)
+    worker.active = {h.run.id: h for h in handles}
+    try:
+        before = {h.run.id: (await store.get_run(h.run.id)).lease_until for h in handles}
+        assert await worker._beat(settings.lease_ttl / 3)
+        assert renewals == [4]  # one statement for the four runs
+        by_task = {h.run.task: h for h in handles}
+        assert by_task["held #0"].abort_reason == "lease lost"
+        assert by_task["held #1"].abort_reason == "cancelled"
+        for task in ("held #2", "held #3"):
+            h = by_task[task]
+            assert h.abort_reason is None
+            after = (await store.get_run(h.run.id)).lease_until
+            assert after is not None and before[h.run.id] is not None
+            assert after > before[h.run.id]
+        # The zombie's run stays the other worker's.
+        assert (await store.get_run(zombie.run_id)).lease_owner == "z"
+    finally:
+        for h in handles:
+            assert h.task is not None
+            h.task.cancel()
+        await client.close()
+
+
+async def test_renew_all_says_why_each_run_was_not_renewed(store: Store) -> None:
+    for i in range(2):
+        await store.create_run(f"r{i}", AGENT)
+    (_, la), (b, lb) = (await store.claim("default", "w", 2)).claimed
+    await store.cancel(b.id)
+    lost = await store.renew_all([la, lb])
+    assert set(lost) == {lb.run_id} and isinstance(lost[lb.run_id], RunCancelled)
+    with pytest.raises(ValueError):
+        await store.renew_all([la, type(la)(la.run_id, "someone-else", la.epoch)])
+    assert isinstance(LeaseLost("x", "y"), LeaseLost)
+
+
+class CountingClaims(Store):
+    async def claim(self, *args: Any, **kwargs: Any) -> ClaimResult:
+        result = await super().claim(*args, **kwargs)
+        self.claims.append(time.monotonic())  # type: ignore[attr-defined]
+        return result
+
+
+async def test_an_idle_listening_worker_claims_once_per_idle_interval(database_url: str) -> None:
+    # poll_interval 0.1 s: before, an idle worker claimed (and checked the next lease expiry)
+    # ten times a second here; listening, it now waits for a notification, the next foreign
+    # lease expiry (none: no run anywhere) or the idle interval.
+    store = await CountingClaims.open(database_url)
+    store.claims = []  # type: ignore[attr-defined]
+    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="unused")
+    worker = Worker(store, client, ToolRegistry(), WorkerSettings(
+        poll_interval=0.1, idle_interval=60, health_port=None, worker_id="idle"))
+    serving = asyncio.create_task(worker.serve())
+    try:
+        await wait_for(lambda: bool(store.claims), 30, "the first claim")  # type: ignore[attr-defined]
+        # The loop sleeps for the idle interval, and it stays alive meanwhile.
+        await wait_for(lambda: worker.health.resting > time.monotonic() + 30, 10, "a long sleep")
+        first = len(store.claims)  # type: ignore[attr-defined]
+        await asyncio.sleep(1.0)  # a window, not a wait: ten polls before
+        assert len(store.claims) - first == 0  # type: ignore[attr-defined]
+        assert worker.health.alive()
+        # A new run is still claimed at once: its NOTIFY wakes the loop.
+        run, _ = await store.create_run("wake up", AGENT.model_copy(update={"tools": []}))
+        await wait_for(lambda: run.id in worker.active or len(store.claims) > first,  # type: ignore[attr-defined]
+                       10, "the claim the notification brings")
+    finally:
+        worker.request_drain()
+        await asyncio.wait({serving}, timeout=30)
+        serving.cancel()
+        await store.close()
+        await client.close()
