@@ -6,7 +6,12 @@ One connection pool and ONE listener connection for the whole cluster (not one p
   several replicas or a worker starting at the same time are safe) unless told not to;
 * listen: ``agentrun_run_changed`` marks runs dirty for the status mirror and, for finished runs,
   feeds the steps/attempts histograms; ``agentrun_run_ready`` pokes the pool's autoscaler;
-* the status mirror's flush and resync loops, the autoscaler, and a slow metrics recount.
+* the status mirror's flush loop, the autoscaler's notified checks, and ONE tick loop: every
+  ``tick`` (the shorter of ``scale_interval`` and ``resync_interval``) one probe query reads
+  every pool's depth (the autoscaler's timer check, the oldest-pending gauges) and a fingerprint
+  of the live runs and quotas; the full resync reads the runs only when the fingerprint moved,
+  and the agentrun_runs recount runs only after a change (or every ``metrics_interval``). An
+  idle operator sends one query per tick (6 a minute by default; issue 17).
 
 A database outage is seen by whichever loop fails first: the operator logs it once, sets the
 ``DatabaseAvailable=False`` condition on every unfinished AgentRun, keeps retrying with backoff,
@@ -15,7 +20,9 @@ during the outage were lost). No restart needed.
 
 Readiness (``/readyz`` on the health port, :mod:`agentrun.operator.health`): a loop checks the
 API server (a one-object list with the operator's credentials) and the database (``SELECT 1``)
-every ``health_interval``; the pod is Ready only while both passed recently.
+every ``health_interval``; the pod is Ready only while both passed recently. The database check
+sends no query while another loop's query answered within a tick + ``db_timeout``: that query
+proved the database as well (the tick's probe answers every tick).
 """
 
 from __future__ import annotations
@@ -95,7 +102,22 @@ class OperatorApp:
         self.autoscaler = Autoscaler(kube, settings.pools, metrics)
         self._tasks: list[asyncio.Task[None]] = []
         self._outage_task: asyncio.Task[None] | None = None
-        self.readiness = Readiness(stale_after=2 * settings.health_interval + settings.db_timeout)
+        #: The tick loop's period: its probe is the only query of an idle operator.
+        self.tick = min(settings.resync_interval,
+                        settings.scale_interval if settings.pools else settings.resync_interval)
+        #: The probe's fingerprint when the mirror last resynced (None: resync at the next tick).
+        self._fingerprint: tuple[int, int, int] | None = None
+        #: Whether agentrun_runs needs a recount (a notification, a moved fingerprint), and when
+        #: it was last recounted (monotonic).
+        self._recount = True
+        self._recounted = 0.0
+        #: Pools the agentrun_runs gauge knows (their oldest-pending gauge reads 0 when idle).
+        self._pools: set[str] = set()
+        #: When a query last answered (monotonic): the database check's proof.
+        self._proved = -float("inf")
+        self.readiness = Readiness(stale_after=max(2 * settings.health_interval,
+                                                   self.tick + settings.health_interval)
+                                   + settings.db_timeout)
         self.readiness.database.error = "not connected yet"
         self._health_server: web.AppRunner | None = None
         self._api_down = False
@@ -150,9 +172,8 @@ class OperatorApp:
         loops: list[tuple[str, Callable[[Store], Awaitable[None]]]] = [
             ("listener", self._listen),
             ("status-flush", self._flush_loop),
-            ("resync", self._resync_loop),
+            ("tick", self._tick_loop),
             ("autoscaler", self._scale_loop),
-            ("metrics", self._metrics_loop),
         ]
         await asyncio.gather(*(self._forever(name, fn, store) for name, fn in loops))
 
@@ -255,6 +276,7 @@ class OperatorApp:
             self._set_condition(False)
 
     def _ok(self) -> None:
+        self._proved = asyncio.get_running_loop().time()
         self.metrics.db_up.set(1)
         self.readiness.database.ok()
         if self.db_up:
@@ -311,6 +333,12 @@ class OperatorApp:
         store, timeout = self.store, self.settings.db_timeout
         if store is None:
             return  # connecting: _connect's attempts report into the check
+        if self.db_up and (asyncio.get_running_loop().time() - self._proved
+                           < self.tick + timeout):
+            # Another loop's query answered since (the tick's probe does every tick): it proved
+            # the database, and _ok() told readiness. A hung database stops those answers, and
+            # then this check queries (and times out) on its own.
+            return
         try:
             await asyncio.wait_for(store.ping(), timeout)
         except asyncio.CancelledError:
@@ -331,6 +359,7 @@ class OperatorApp:
         self._ok()
         async for n in store.listen((CHANNEL_RUN_CHANGED, CHANNEL_RUN_READY)):
             self.metrics.notifications.inc()
+            self._recount = True  # a status changed (or a run came): agentrun_runs is behind
             if n.channel == CHANNEL_RUN_READY:
                 self.autoscaler.poke(n.payload)
                 continue
@@ -347,38 +376,55 @@ class OperatorApp:
     async def _flush_loop(self, store: Store) -> None:
         while True:
             await self.mirror.wait(self.settings.flush_interval)
-            if await self.mirror.flush(store):  # only a query that answered says the db is up
+            try:
+                read = await self.mirror.flush(store)
+            except BaseException:
+                # What the failed flush held is no longer queued: the next tick resyncs all,
+                # whatever its fingerprint says.
+                self._fingerprint = None
+                raise
+            if read:  # only a query that answered says the db is up
                 self._ok()
 
-    async def _resync_loop(self, store: Store) -> None:
+    async def _tick_loop(self, store: Store) -> None:
         while True:
-            await asyncio.sleep(self.settings.resync_interval)
+            await self.tick_once(store)
+            await asyncio.sleep(self.tick)
+
+    async def tick_once(self, store: Store) -> None:
+        """One tick: the probe (one query), then only what it found changed."""
+        probe = await store.operator_probe()
+        self._ok()
+        self.metrics.ticks.inc()
+        if probe.fingerprint != self._fingerprint or self.mirror.waiting():
+            # Set before the read: a change between probe and read moves the next probe.
+            self._fingerprint = probe.fingerprint
             await self.mirror.resync(store)
             self.metrics.resyncs.inc()
-            self._ok()
-
-    async def _scale_loop(self, store: Store) -> None:
-        if not self.autoscaler.scalers:
-            await asyncio.Event().wait()  # nothing to scale
-        tick = True
-        while True:
-            if await self.autoscaler.check(store, tick=tick):
-                self._ok()
-            tick = not await self.autoscaler.wait(self.settings.scale_interval)
-
-    async def _metrics_loop(self, store: Store) -> None:
-        while True:
+            self._recount = True
+        if self.autoscaler.scalers:
+            await self.autoscaler.check(store, tick=True, depths=probe.depths)
+        now = asyncio.get_running_loop().time()
+        if self._recount or now - self._recounted >= self.settings.metrics_interval:
+            self._recount, self._recounted = False, now
             counts = await store.runs_by_status()
             self.metrics.runs.clear()
             for (pool, status), n in counts.items():
                 self.metrics.runs.labels(pool, status).set(n)
-            depth = await store.pool_depth()
-            # pool_depth() lists only pools with live runs: a pool whose last pending run went
-            # must read 0, not keep its old age (which would fire the "oldest pending" alert).
-            pools = {pool for pool, _ in counts} | set(depth)
-            self.metrics.observe_depths({pool: depth.get(pool) for pool in pools})
-            self._ok()
-            await asyncio.sleep(self.settings.metrics_interval)
+            self._pools = {pool for pool, _ in counts}
+        # The probe lists only pools with live runs: a pool whose last pending run went must
+        # read 0, not keep its old age (which would fire the "oldest pending" alert).
+        self._pools |= set(probe.depths)
+        self.metrics.observe_depths({pool: probe.depths.get(pool) for pool in self._pools})
+
+    async def _scale_loop(self, store: Store) -> None:
+        """The notified checks (the timer's are the tick's)."""
+        if not self.autoscaler.scalers:
+            await asyncio.Event().wait()  # nothing to scale
+        while True:
+            if await self.autoscaler.wait(self.settings.scale_interval) and \
+                    await self.autoscaler.check(store, tick=False):
+                self._ok()
 
     # -- objects that vanished ------------------------------------------------------------------
 

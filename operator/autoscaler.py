@@ -43,6 +43,7 @@ class Autoscaler:
         self._opted_out: set[str] = set()
         #: Each pool's replica count as last read or set.
         self._replicas: dict[str, int] = {}
+        self._lock = asyncio.Lock()
         #: (pool, monotonic time of the poke) -> when the scale patch went out; for the benchmark.
         self.last_poke: dict[str, float] = {}
 
@@ -66,18 +67,22 @@ class Autoscaler:
         except TimeoutError:
             return False
 
-    async def check(self, store: Store, *, tick: bool) -> bool:
-        """Scale the poked pools (all of them on a tick). Returns whether the db was read."""
-        pools = list(self.scalers) if tick else sorted(self._poked)
-        self._poked.clear()
-        if not pools:
-            return False
-        depth = await store.pool_depth()
-        for pool in pools:
-            await self._scale(store, pool, depth.get(pool), fresh=tick)
-            if tick:
-                await self._deletion_costs(store, pool)
-        return True
+    async def check(
+        self, store: Store, *, tick: bool, depths: dict[str, PoolDepth] | None = None
+    ) -> bool:
+        """Scale the poked pools (all of them on a tick), by ``depths`` (every pool's, read by
+        the caller's query) or else one pool-depth query. Returns whether the db was read."""
+        async with self._lock:  # the tick and the notified checks: one pool is not scaled twice
+            pools = list(self.scalers) if tick else sorted(self._poked)
+            self._poked.clear()
+            if not pools:
+                return False
+            depth = depths if depths is not None else await store.pool_depth()
+            for pool in pools:
+                await self._scale(store, pool, depth.get(pool), fresh=tick)
+                if tick:
+                    await self._deletion_costs(store, pool, depth.get(pool))
+            return depths is None
 
     async def _scale(
         self, store: Store, pool: str, depth: PoolDepth | None, *, fresh: bool
@@ -122,7 +127,7 @@ class Autoscaler:
             # The ReplicaSet controller deletes the pods with the lowest deletion cost: make the
             # costs current first, or a pod whose runs ended since the last tick still looks
             # busy, and a pod holding a run can be picked before an idle one (found on a node).
-            await self._deletion_costs(store, pool)
+            await self._deletion_costs(store, pool, depth)
         await self.kube.scale_deployment(s.namespace, s.deployment, decision.replicas)
         self._replicas[pool] = decision.replicas
         direction = "up" if decision.replicas > dep.replicas else "down"
@@ -135,14 +140,15 @@ class Autoscaler:
             took,
         )
 
-    async def _deletion_costs(self, store: Store, pool: str) -> None:
+    async def _deletion_costs(self, store: Store, pool: str, depth: PoolDepth | None) -> None:
         s = self.scalers[pool].settings
         if pool in self._missing or pool in self._opted_out:
             return
         pods = await self.kube.list_pods(s.namespace, {POOL_LABEL: pool})
         if not pods:
             return
-        holders = await store.lease_holders(pool)
+        # No running run in the pool: no holder, and no query to learn it (an idle pool's tick).
+        holders = await store.lease_holders(pool) if depth and depth.running else {}
         for pod in pods:
             # A worker's id is "<hostname>-<pid>-<random>" and a pod's hostname is its name.
             held = sum(

@@ -65,6 +65,11 @@ class OperatorMetrics:
         self.notifications = Counter(
             "agentrun_operator_notifications", "Run notifications received", registry=r
         )
+        self.ticks = Counter(
+            "agentrun_operator_ticks",
+            "Ticks done: one probe query each, a resync only when it saw the live runs change",
+            registry=r,
+        )
         self.resyncs = Counter(
             "agentrun_operator_resyncs",
             "Resyncs done: every live run compared with its object (and queued if behind)",

@@ -6,9 +6,10 @@ No per-object polling (it must stay cheap at 10,000 runs):
   ``flush_interval`` the dirty runs are read in ONE query and the objects whose status changed are
   patched. Ten notifications for one run inside a window cost one read and one patch.
 * Step counts and token usage are not notified (a NOTIFY per step halves the store's throughput,
-  see docs/store.md), so a resync every ``resync_interval`` reads all live runs of AgentRun
-  objects (one query, a partial index) and patches only what changed. It also repairs anything a
-  dropped listener connection missed.
+  see docs/store.md), so a resync reads all live runs of AgentRun objects (one query, a partial
+  index) and patches only what changed; the operator's tick calls it only when its probe's
+  fingerprint of those runs (every id and updated_at) and the quotas moved. It also repairs
+  anything a dropped listener connection missed.
 * Every patch takes a token from one bucket (``max_patches_per_second``): a burst of 10,000 runs
   finishing together is spread out rather than thrown at the API server. Notified changes go
   before resync changes.
@@ -187,6 +188,11 @@ class StatusMirror:
     def notify(self, run_id: UUID) -> None:
         self._dirty.add(run_id)
         self._wake.set()
+
+    def waiting(self) -> bool:
+        """Whether a run waits for its object to be listed: the next resync must read it again
+        (a tick that saw no change would not)."""
+        return bool(self._unseen)
 
     def pending(self) -> int:
         return len(self._dirty) + len(self._stale)

@@ -766,9 +766,10 @@ async def test_a_recreated_object_never_shows_the_old_runs_status(
     assert (await store.get_run(new)).k8s_uid == new_obj["metadata"]["uid"]
     cancelled = await wait_run(store, old.id, lambda r: r.status == "cancelled", 30)
     assert f"AgentRun {cluster.namespace}/again deleted" in (cancelled.error or "")
-    seen = again.metric("agentrun_operator_resyncs_total") or 0
-    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= seen + 2,
-                     30, "two more resyncs")
+    # Two more ticks (each resyncs if it sees the live runs change): still the new run's status.
+    seen = again.metric("agentrun_operator_ticks_total") or 0
+    await eventually(lambda: (again.metric("agentrun_operator_ticks_total") or 0) >= seen + 2,
+                     30, "two more ticks")
     s = status(cluster, "again")
     assert (s["runId"], s["phase"]) == (new, "pending"), s
 
@@ -797,9 +798,10 @@ async def test_an_operator_restart_patches_nothing(
 
     before = versions()
     again = operators.start()
-    # Three resyncs (1 s apart here) have compared every live run with its object.
-    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= 3, 30,
-                     "three resyncs")
+    # Three ticks (1 s apart here; the first resyncs, and any that sees a change) have compared
+    # every live run with its object.
+    await eventually(lambda: (again.metric("agentrun_operator_ticks_total") or 0) >= 3, 30,
+                     "three ticks")
     assert versions() == before, "an operator restart patched objects that had not changed"
     assert (again.metric("agentrun_status_patches_total") or 0) == 0
 
@@ -850,9 +852,9 @@ async def test_a_run_whose_object_vanished_unseen_is_cancelled_once(
     assert f"AgentRun {cluster.namespace}/vanish deleted" in (cancelled.error or "")
     assert (await store.get_run((await run_of(store, cluster, "stays")).id)).status == "pending"
     patches = again.metric("agentrun_kube_api_calls_total", verb="patch_status") or 0
-    seen = again.metric("agentrun_operator_resyncs_total") or 0
-    await eventually(lambda: (again.metric("agentrun_operator_resyncs_total") or 0) >= seen + 3,
-                     30, "three more resyncs")
+    seen = again.metric("agentrun_operator_ticks_total") or 0
+    await eventually(lambda: (again.metric("agentrun_operator_ticks_total") or 0) >= seen + 3,
+                     30, "three more ticks")
     assert (again.metric("agentrun_kube_api_calls_total", verb="patch_status") or 0) == patches
     assert again.output().count("vanish was deleted; no longer mirrored") == 1
 

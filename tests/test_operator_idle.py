@@ -1,7 +1,7 @@
 """An idle operator's database load (issue 17): ONE statement per tick (every pool's depth and a
 fingerprint of the live runs and quotas); the full resync and the agentrun_runs recount only
 after a change; the readiness check sends no query while a tick's just answered. Statements are
-counted at the driver (every psycopg cursor execute), the loops driven a fixed number of ticks."""
+counted at the driver (every psycopg cursor execute), the loop driven a fixed number of ticks."""
 
 from __future__ import annotations
 
@@ -17,15 +17,21 @@ from agentrun.operator.kube import Deployment, KubeApi, Pod
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.scaling import PoolScaling
 from agentrun.operator.settings import OperatorSettings
-from agentrun.store import Store
+from agentrun.store import K8sRef, Store
 
 
 class Kube:
-    """The two calls an idle pool's tick makes: a Deployment at 0 replicas, no pods."""
+    """The calls a pool's tick makes: its Deployment (at 0 replicas to start), no pods."""
+
+    def __init__(self) -> None:
+        self.replicas = 0
 
     async def get_deployment(self, namespace: str, name: str) -> Deployment:
-        return Deployment(name=name, namespace=namespace, replicas=0, annotations={},
-                          pristine=False)
+        return Deployment(name=name, namespace=namespace, replicas=self.replicas,
+                          annotations={}, pristine=False)
+
+    async def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        self.replicas = replicas
 
     async def list_pods(self, namespace: str, labels: dict[str, str]) -> list[Pod]:
         return []
@@ -47,6 +53,11 @@ def statements(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield sent
 
 
+def gauge(app: OperatorApp, pool: str, status: str) -> float:
+    return float(app.metrics.registry.get_sample_value(
+        "agentrun_runs", {"pool": pool, "status": status}) or 0)
+
+
 async def test_an_idle_tick_is_one_statement_and_a_change_is_read(
     store: Store, statements: list[str]
 ) -> None:
@@ -55,7 +66,8 @@ async def test_an_idle_tick_is_one_statement_and_a_change_is_read(
         pools=[PoolScaling(pool="gpu", deployment="workers")],
         metrics_port=None, health_port=None, metrics_interval=3600.0,
     )
-    app = OperatorApp(settings, cast(KubeApi, Kube()), OperatorMetrics())
+    kube = Kube()
+    app = OperatorApp(settings, cast(KubeApi, kube), OperatorMetrics())
     app.store, app.db_up = store, True
     await app.tick_once(store)  # the first tick resyncs and recounts: nothing seen yet
     assert len(statements) > 1
@@ -72,11 +84,12 @@ async def test_an_idle_tick_is_one_statement_and_a_change_is_read(
     # A change nobody notified (a new run; step progress alike) moves the fingerprint: the
     # next tick reads the runs and recounts, the one after is idle again.
     run, _ = await store.create_run("t", AgentSpec(model="m", pool="gpu"), pool="gpu",
-                                    k8s_namespace="default", k8s_name="a", k8s_uid="u-1")
+                                    k8s=K8sRef("default", "a", "u-1"))
     statements.clear()
     await app.tick_once(store)
     assert len(statements) > 1
-    assert app.metrics.runs.labels("gpu", "pending")._value.get() == 1
+    assert gauge(app, "gpu", "pending") == 1
+    assert kube.replicas == 1  # the tick's depth scaled the pool
     statements.clear()
     await app.tick_once(store)
     assert len(statements) == 1, statements
@@ -84,4 +97,4 @@ async def test_an_idle_tick_is_one_statement_and_a_change_is_read(
     statements.clear()
     await app.tick_once(store)
     assert len(statements) > 1
-    assert app.metrics.runs.labels("gpu", "cancelled")._value.get() == 1
+    assert gauge(app, "gpu", "cancelled") == 1

@@ -546,6 +546,16 @@ class PoolDepth:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """What the operator's idle tick reads (:meth:`Store.operator_probe`)."""
+
+    depths: dict[str, PoolDepth]
+    #: (live k8s runs, a hash of their ids and updated_at, a hash of the quotas): equal
+    #: fingerprints mean nothing the resync reads changed.
+    fingerprint: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
 class Notification:
     channel: str
     payload: str
@@ -1220,6 +1230,17 @@ class Store:
             cur = conn.cursor(row_factory=class_row(PoolDepth))
             await cur.execute(queries["pool_depth"])
             return {d.pool: d for d in await cur.fetchall()}
+
+    async def operator_probe(self) -> Probe:
+        """Every pool's depth and a fingerprint of the live k8s runs and the quotas, in one
+        statement: the operator's idle tick."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["operator_probe"])
+            rows = await cur.fetchall()
+        depths = {str(r[0]): PoolDepth(str(r[0]), int(r[1]), int(r[2]), r[3])
+                  for r in rows if r[0] is not None}
+        first = rows[0]
+        return Probe(depths, (int(first[4]), int(first[5]), int(first[6])))
 
     async def ping(self) -> None:
         """One round trip through the pool (the operator's readiness check)."""

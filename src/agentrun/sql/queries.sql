@@ -306,6 +306,33 @@ SELECT pool, sum(pending)::bigint AS pending, sum(running)::bigint AS running,
           FROM agent_run WHERE status = 'running' GROUP BY pool) by_status
  GROUP BY pool;
 
+-- operator_probe --
+-- The operator's idle tick in ONE statement: every pool's depth (as pool_depth; a row with a NULL
+-- pool when no pool has live runs) beside a fingerprint of the live runs of AgentRun objects
+-- (their number and a hash of every id and updated_at, which the agent_run trigger bumps on every
+-- change, so any change moves it, also one committed out of order) and of the namespace quotas.
+-- The full resync reads the runs only when a fingerprint moved.
+WITH depth AS (
+    SELECT pool,
+           count(*) FILTER (WHERE status = 'pending')  AS pending,
+           count(*) FILTER (WHERE status = 'running')  AS running,
+           min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
+      FROM agent_run
+     WHERE status IN ('pending', 'running')
+     GROUP BY pool
+), live AS (
+    SELECT count(*) AS live_runs,
+           coalesce(sum(hashtext(id::text || updated_at::text)), 0) AS live_hash
+      FROM agent_run
+     WHERE k8s_uid IS NOT NULL AND status IN ('pending', 'running', 'waiting_approval')
+), quota AS (
+    SELECT coalesce(sum(hashtext(namespace || ':' || max_running || ':' || running)), 0)
+           AS quota_hash
+      FROM namespace_quota
+)
+SELECT d.pool, d.pending, d.running, d.oldest_pending, l.live_runs, l.live_hash, q.quota_hash
+  FROM live l CROSS JOIN quota q LEFT JOIN depth d ON true;
+
 -- ping --
 -- The operator's readiness check: a pooled connection answers (no table is read).
 SELECT 1;
