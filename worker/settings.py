@@ -78,6 +78,9 @@ def port_or_off(value: int) -> int | None:
 class WorkerSettings:
     pool: str = "default"
     concurrency: int = 4
+    # --tools MODULE ... / AGENTRUN_TOOLS (comma-separated): the modules (or .py files) whose
+    # @tool functions this worker can run. Given flags replace the variable's list.
+    tools: tuple[str, ...] = ()
     lease_ttl: float = DEFAULT_LEASE_TTL
     # The claim loop sleeps until a NOTIFY (a new run, a finished one), the next foreign lease
     # expiry (the claim returns it), or at most this long while LISTEN is in place...
@@ -109,6 +112,7 @@ class WorkerSettings:
         return cls(
             pool=os.environ.get(env_name("--pool"), d.pool),
             concurrency=env_int(env_name("--concurrency"), d.concurrency),
+            tools=tuple(x for x in os.environ.get(env_name("--tools"), "").split(",") if x),
             lease_ttl=env_float(env_name("--lease-ttl"), d.lease_ttl),
             poll_interval=env_float(env_name("--poll-interval"), d.poll_interval),
             idle_interval=env_float(env_name("--idle-interval"), d.idle_interval),

@@ -761,6 +761,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         )
     if args.prices is not None:
         overrides["prices"] = load_prices(args.prices)
+    if args.tools is not None:
+        overrides["tools"] = tuple(args.tools)
     return dataclasses.replace(settings, **overrides)
 
 
@@ -787,7 +789,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     check_settings(settings)
     check_ports([("--health-port", "AGENTRUN_HEALTH_PORT", settings.health_port)])
     check_ports([("--control-port", CONTROL_PORT_ENV, settings.control_port)], host=CONTROL_HOST)
-    loaded = load_tool_modules(args.tools)
+    loaded = load_tool_modules(settings.tools)
     tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
     # Each provider's client is made when a run first needs it (a bedrock-only pool needs no
     # Anthropic key).
@@ -1084,9 +1086,10 @@ def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentP
     s.add_argument(
         "--tools",
         action="append",
-        default=_env_list("TOOLS"),
+        default=None,
         metavar="MODULE",
-        help="module or .py file defining @tool functions; repeatable",
+        help="module or .py file defining @tool functions; repeatable; replaces "
+             f"${env_name('--tools')} (comma-separated)",
     )
     flag("--lease-ttl", w.lease_ttl,
          "seconds a claim lasts unless renewed: how soon a dead worker's runs resume", type=float)
@@ -1374,10 +1377,6 @@ def one_line(message: str) -> str:
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"AGENTRUN_{name}", default)
-
-
-def _env_list(name: str) -> list[str]:
-    return [x for x in os.environ.get(f"AGENTRUN_{name}", "").split(",") if x]
 
 
 #: The exit code when whoever reads stdout closes it first (``agentrun runs | head -1``): a

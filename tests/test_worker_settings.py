@@ -1,0 +1,27 @@
+"""One route per worker setting (issue 18): WorkerSettings.from_env owns each variable, and a
+flag given on the command line only overrides it. --tools is one of them: the variable's list,
+or the flags' list in its place (never the two concatenated)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrun.cli import build_parser, worker_settings
+from agentrun.worker.settings import WorkerSettings
+
+
+def settings_for(argv: list[str]) -> WorkerSettings:
+    return worker_settings(build_parser().parse_args(["worker", *argv]))
+
+
+def test_the_tools_come_from_the_variable_and_a_flag_replaces_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AGENTRUN_TOOLS", raising=False)
+    assert WorkerSettings.from_env(prices=False).tools == ()
+    assert settings_for([]).tools == ()
+
+    monkeypatch.setenv("AGENTRUN_TOOLS", "agentrun.demo_tools,,tools/extra.py")
+    assert WorkerSettings.from_env(prices=False).tools == ("agentrun.demo_tools", "tools/extra.py")
+    assert settings_for([]).tools == ("agentrun.demo_tools", "tools/extra.py")
+    assert settings_for(["--tools", "a", "--tools", "b.py"]).tools == ("a", "b.py")
