@@ -1237,3 +1237,23 @@ async def test_operator_json_lines_name_the_object_and_metrics_have_the_process_
     } in [x["object"] for x in lines], lines[:3]
     assert (op.metric("process_resident_memory_bytes") or 0) > 0
     assert "process_cpu_seconds_total" in op.metrics()
+
+
+async def test_a_background_task_that_dies_stops_the_operator_with_a_line_saying_why(
+    operators: NsOperators, store: Store
+) -> None:
+    """The supervision path (agentrun.supervise.watch in OperatorApp.start): a background task
+    that ends by what its loop does not retry stops the process, saying which task and why,
+    instead of an operator that runs on with no mirror, autoscaler or readiness. The trigger is
+    a real one: an operator older than the schema (rolled back after a newer migration ran)."""
+    async with store.pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO agentrun_migration (version, name) VALUES (9999, 'from a newer agentrun')"
+        )
+    op = operators.start()
+    op.popen.wait(120)  # the process's own exit is the event; the bound only stops a hang
+    out = op.output()
+    assert ("agentrun-operator task failed (AgentrunError: the database schema is at version "
+            "9999, newer than this agentrun knows") in out, out[-3000:]
+    assert "; upgrade agentrun); stopping the operator" in out, out[-3000:]
+    assert "Task exception was never retrieved" not in out
