@@ -99,6 +99,8 @@ ZOMBIE_WAIT_S = 20.0
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 #: Worker logs kept (the oldest are removed: a night's soak starts thousands of workers).
 KEEP_LOGS = 200
+PROGRESS_EVERY_S = 30.0
+HOLD_WAIT_S = 10.0  # --kill-every: how long a slot's kill waits for its worker to hold runs
 
 #: The odd-payload runs: one kind per run, in turn. The task starts with ODD_PREFIX + the kind.
 ODD_KINDS = ("nul", "surrogates", "unicode", "huge")
@@ -172,6 +174,10 @@ class Report:
     zombies: int = 0  # workers SIGSTOPped past their lease TTL, then SIGCONTed
     zombie_runs_taken: int = 0  # runs a zombie held that others took while it was stopped
     zombies_killed: int = 0  # zombies SIGKILLed after their SIGCONT (the others carried on)
+    # SIGKILLs that landed on a worker holding runs at that moment (read just before): a kill
+    # of a worker still starting up tests little.
+    kills_holding_runs: int = 0
+    kills_per_slot: list[int] = field(default_factory=list)  # --kill-every: each slot's kills
     pg_restarts: int = 0
     outage_s: float = 0.0
     decisions: int = 0
@@ -411,8 +417,9 @@ class _Fleet:
         self.stopped: set[int] = set()  # pids SIGSTOPped now
         self.accounted: set[int] = set()  # pids whose exit has been counted
         self.names: dict[int, str] = {}
+        self.slot_of: dict[int, int] = {}  # pid -> the worker slot it serves
 
-    def spawn(self) -> None:
+    def spawn(self, slot: int) -> None:
         n = len(self.procs)
         with open(self.logdir / f"worker-{n}.log", "wb") as log:
             proc = subprocess.Popen(
@@ -433,6 +440,7 @@ class _Fleet:
             )  # fmt: skip
         self.procs.append(proc)
         self.names[proc.pid] = f"soak-{n}"
+        self.slot_of[proc.pid] = slot
         self.report.workers_started += 1
         old = n - KEEP_LOGS
         if old >= 0 and self.procs[old].poll() is not None:
@@ -445,6 +453,11 @@ class _Fleet:
             for p in self.procs
             if p.poll() is None and p.pid not in self.signalled and p.pid not in self.stopped
         ]
+
+    def serving(self, slot: int) -> subprocess.Popen[bytes] | None:
+        """The newest live worker of ``slot`` (None: its replacement is not started yet)."""
+        mine = [p for p in self.live() if self.slot_of[p.pid] == slot]
+        return mine[-1] if mine else None
 
     def hit(self, victim: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         self.signalled.add(victim.pid)
@@ -473,8 +486,11 @@ class _Fleet:
                     f"worker {self.names[p.pid]} exited {p.returncode} by itself (log: "
                     f"{self.logdir / (self.names[p.pid].replace('soak', 'worker') + '.log')})"
                 )
-        while len(self.live()) < want:
-            self.spawn()
+        # Each slot is one Deployment replica: a slot whose worker was killed, stopped or exited
+        # gets a new one (a zombie that carries on after its SIGCONT serves beside it).
+        for slot in range(want):
+            if self.serving(slot) is None:
+                self.spawn(slot)
 
     def stop_all(self) -> None:
         for p in self.procs:
@@ -500,11 +516,20 @@ async def soak(
     continuous: bool = False,
     calm_s: float = 90,
     progress: Any = None,
+    kill_every: float | None = None,
+    kills: int | None = None,
 ) -> Report:
     """Kill and SIGSTOP workers for ``seconds`` (restarting ``pg`` ``pg_restarts`` times), let
     every run finish, then check. ``url`` must be a migrated database with no runs; with
     ``pg_restarts``, it must be on ``pg``. ``sigstop_rate``: the share of chaos steps that make a
-    zombie; ``odd_payloads``: the share of runs with odd payloads."""
+    zombie; ``odd_payloads``: the share of runs with odd payloads. ``kill_every``: each worker
+    slot is hit on a seeded clock of its own, every 0.5-1.5 times that many seconds (several
+    workers die independently, so the kill rate grows with ``workers``), instead of one chaos
+    step every 1-4 s for the whole fleet; a slot's kill waits (up to HOLD_WAIT_S) until its
+    worker holds runs. ``kills``: the chaos ends once that many SIGKILLs
+    were sent (or ``seconds`` is over, whichever comes first)."""
+    if kill_every is not None and kill_every <= 0:
+        raise ValueError("kill_every must be positive")
     if pg_restarts and pg is None:
         raise ValueError("restarting PostgreSQL needs the soak's own server (pg)")
     rng = random.Random(seed)
@@ -576,6 +601,30 @@ async def soak(
 
     zombie_due = False
 
+    def make_zombie(victim: subprocess.Popen[bytes], held: set[str], r: random.Random) -> None:
+        stop_s = r.uniform(1.5, 4.0) * LEASE_TTL_S
+        kill_after = r.uniform(0.2, 3.0) if r.random() < 0.5 else None
+        fleet.stop(victim)
+        report.zombies += 1
+        zombies.append(asyncio.create_task(zombie(victim, held, stop_s, kill_after)))
+
+    def kill(victim: subprocess.Popen[bytes], r: random.Random, held: set[str] | None) -> None:
+        if r.random() < 0.8:
+            fleet.hit(victim, signal.SIGKILL)
+            report.kills += 1
+            report.kills_holding_runs += bool(held)
+            if report.kills_per_slot:
+                report.kills_per_slot[fleet.slot_of[victim.pid]] += 1
+        else:
+            fleet.hit(victim, signal.SIGTERM)
+            report.terms += 1
+
+    async def holding(victim: subprocess.Popen[bytes]) -> set[str] | None:
+        """The runs ``victim`` holds now (None: the database did not answer)."""
+        with contextlib.suppress(*DB_ERRORS):
+            return await held_by(store, fleet.names[victim.pid])
+        return None
+
     async def chaos_step() -> None:
         nonlocal zombie_due
         live = fleet.live()
@@ -593,20 +642,46 @@ async def soak(
             if not busy:
                 return
             victim = rng.choice(busy)
-            stop_s = rng.uniform(1.5, 4.0) * LEASE_TTL_S
-            kill_after = rng.uniform(0.2, 3.0) if rng.random() < 0.5 else None
-            fleet.stop(victim)
-            report.zombies += 1
+            make_zombie(victim, held[victim.pid], rng)
             zombie_due = False
-            zombies.append(
-                asyncio.create_task(zombie(victim, held[victim.pid], stop_s, kill_after))
-            )
-        elif rng.random() < 0.8:
-            fleet.hit(rng.choice(live), signal.SIGKILL)
-            report.kills += 1
         else:
-            fleet.hit(rng.choice(live), signal.SIGTERM)
-            report.terms += 1
+            victim = rng.choice(live)
+            kill(victim, rng, await holding(victim))
+
+    chaos_over = asyncio.Event()
+
+    async def slot_chaos(slot: int) -> None:
+        """--kill-every: this slot's worker is hit on a seeded clock of its own."""
+        assert kill_every is not None
+        r = random.Random(f"{seed}:slot{slot}")
+        due = False
+        while not chaos_over.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(chaos_over.wait(), r.uniform(0.5, 1.5) * kill_every)
+            victim = fleet.serving(slot)
+            if chaos_over.is_set() or victim is None:
+                continue  # over, or the slot's replacement is not started yet
+            due = due or r.random() < sigstop_rate
+            # A kill lands on a worker that holds runs: one killed while still starting up tests
+            # only its start-up. Waited for up to HOLD_WAIT_S (a worker with nothing to claim
+            # is killed idle).
+            held = await holding(victim)
+            waited = time.monotonic()
+            while (not held and not chaos_over.is_set() and victim in fleet.live()
+                   and time.monotonic() - waited < HOLD_WAIT_S):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(chaos_over.wait(), 0.2)
+                held = await holding(victim)
+            if chaos_over.is_set() or victim not in fleet.live():
+                continue  # it exited, or another task hit it while the database answered
+            if due:
+                if held:  # a zombie worth the name holds runs; else the slot's next turn
+                    make_zombie(victim, held, r)
+                    due = False
+            else:
+                kill(victim, r, held)
+            if kills is not None and report.kills >= kills:
+                chaos_over.set()
 
     def db_up() -> bool:
         return outage is None or outage.done()
@@ -625,12 +700,23 @@ async def soak(
             t_start = time.monotonic()
             deadline = t_start + seconds
             last_note = t_start
-            while time.monotonic() < deadline:
-                await asyncio.sleep(rng.uniform(1.0, 4.0))
+            slots: list[asyncio.Task[None]] = []
+            if kill_every is not None:
+                report.kills_per_slot = [0] * workers
+                slots = [asyncio.create_task(slot_chaos(i)) for i in range(workers)]
+            while time.monotonic() < deadline and not chaos_over.is_set():
+                if kill_every is None:
+                    await asyncio.sleep(rng.uniform(1.0, 4.0))
+                else:  # the slots hit; this loop replaces the dead and keeps the runs coming
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(chaos_over.wait(), 0.25)
                 if restart_at and time.monotonic() - t_start >= restart_at[0] and db_up():
                     restart_at.pop(0)
                     outage = asyncio.create_task(restart(rng.uniform(0.5, 3.0)))
-                await chaos_step()
+                if kill_every is None:
+                    await chaos_step()
+                    if kills is not None and report.kills >= kills:
+                        chaos_over.set()
                 fleet.top_up(workers)
                 if not db_up():
                     continue  # the soak's own reads wait for the database like everyone's
@@ -642,16 +728,22 @@ async def soak(
                 except DB_ERRORS as exc:
                     say(f"soak: database error ({type(exc).__name__}); going on")
                     continue
-                if time.monotonic() - last_note > 60:
+                if time.monotonic() - last_note > PROGRESS_EVERY_S:
                     last_note = time.monotonic()
+                    took = time.monotonic() - t_start
                     say(
-                        f"soak: {time.monotonic() - t_start:.0f} s, {report.kills} kills, "
+                        f"soak: {took:.0f} s, {report.kills}"
+                        + (f"/{kills}" if kills is not None else "")
+                        + f" kills ({report.kills / took:.2f}/s, "
+                        f"{report.kills_holding_runs} holding runs), "
                         f"{report.terms} SIGTERMs, {report.zombies} zombies, "
                         f"{report.pg_restarts} PostgreSQL restarts, "
                         f"{submitted} runs submitted, {left} unfinished"
                     )
                 if not left and not restart_at and not continuous:
                     break
+            chaos_over.set()
+            await asyncio.gather(*slots)
             if outage is not None:
                 await outage
             # Calm: no more chaos (the zombies thaw as planned); let every run finish,
@@ -717,6 +809,19 @@ def main() -> int:
         help="keep --runs runs unfinished until --seconds is over (for a long soak)",
     )
     ap.add_argument("--workers", type=int, default=2, help="worker processes kept alive")
+    ap.add_argument(
+        "--kill-every",
+        type=float,
+        metavar="SECONDS",
+        help="hit each worker slot on a clock of its own, about every SECONDS (0.5-1.5x, "
+        "seeded), instead of one chaos step every 1-4 s for the fleet",
+    )
+    ap.add_argument(
+        "--kills",
+        type=int,
+        metavar="N",
+        help="end the chaos once N SIGKILLs were sent (or --seconds is over)",
+    )
     ap.add_argument("--concurrency", type=int, default=4, help="runs per worker")
     ap.add_argument("--delay-ms", type=int, default=30, help="scripted model latency per turn")
     ap.add_argument(
@@ -736,6 +841,10 @@ def main() -> int:
         if not args.database_url:
             ap.error("--check-only needs --database-url")
         return _print(asyncio.run(check(args.database_url)))
+    if args.kill_every is not None and args.kill_every <= 0:
+        ap.error(f"--kill-every {args.kill_every}: must be a positive number of seconds")
+    if args.kills is not None and args.kills < 1:
+        ap.error(f"--kills {args.kills}: must be at least 1")
     if args.database_url and args.pg_restarts:
         ap.error("--pg-restarts needs the soak's own PostgreSQL: drop --database-url, or pass 0")
     t0 = time.monotonic()
@@ -781,6 +890,8 @@ def main() -> int:
                 continuous=args.continuous,
                 calm_s=args.calm,
                 progress=say,
+                kill_every=args.kill_every,
+                kills=args.kills,
             )
         )
         say(f"soak done in {time.monotonic() - t0:.0f} s")

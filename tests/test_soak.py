@@ -61,6 +61,8 @@ async def _soak(
     pg_restarts: int,
     sigstop_rate: float = 0.15,
     odd_payloads: float = 0.1,
+    seed: int = 11,
+    **chaos: Any,
 ) -> Report:
     logdir = Path(tempfile.mkdtemp(prefix="agentrun-soak-"))
     # Slow turns and few slots per worker, so the chaos lands in the middle of runs.
@@ -68,7 +70,7 @@ async def _soak(
         pg.url("agentrun_soak"),
         runs,
         seconds,
-        seed=11,
+        seed=seed,
         logdir=logdir,
         delay_ms=400,
         concurrency=2,
@@ -77,6 +79,7 @@ async def _soak(
         sigstop_rate=sigstop_rate,
         odd_payloads=odd_payloads,
         calm_s=60,
+        **chaos,
     )
 
 
@@ -104,6 +107,28 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
     # Every healthy run's 17 steps; 5 for an odd one that succeeded, fewer for one that failed.
     healthy = 8 * 17 + 5 * report.odd_succeeded
     assert healthy <= report.steps <= healthy + 4 * report.odd_failed
+
+
+async def test_each_worker_slot_is_killed_on_a_clock_of_its_own_until_the_kill_target(
+    own_postgres: OwnPostgres,
+) -> None:
+    """--kill-every/--kills (the 10,000-kill soak's mode): three slots, each hit on its own
+    seeded clock, so workers die independently; the chaos ends at exactly the kill target, and
+    the checker still finds every run done exactly once. With seed 3 and a 0.1 zombie share,
+    each slot's first turn is a SIGKILL (the draws are the slot's own, whatever the timing), and
+    all three come before the eighth kill."""
+    report = await _soak(
+        own_postgres, runs=12, seconds=300, pg_restarts=0, sigstop_rate=0.1, odd_payloads=0,
+        seed=3, workers=3, kill_every=1.0, kills=8,
+    )
+    print(report)
+    assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
+    assert all(report.kills_per_slot), report.kills_per_slot  # each slot on its own clock
+    # A kill waits until its worker holds runs (there are always pending ones here).
+    assert 1 <= report.kills_holding_runs <= report.kills
+    assert report.workers_started >= 3 + 8
+    assert report.ok, report.problems
+    assert report.succeeded == report.runs == 12
 
 
 @pytest.mark.slow
