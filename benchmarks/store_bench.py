@@ -254,7 +254,9 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
                         queries["claim_runs"],
                         {"pool": pool, "worker": "bench", "limit": 1, "ttl": 15},
                     )
-                    got = len(await cur.fetchall())
+                    # An empty claim still answers one row, with no run: the next expiry.
+                    ids = [c.name for c in cur.description or ()].index("id")
+                    got = sum(1 for r in await cur.fetchall() if r[ids] is not None)
                 if not got:
                     break
                 n += got
