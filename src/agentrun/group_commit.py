@@ -1,0 +1,153 @@
+"""Group commit: the concurrent appends of one worker's runs, sent to PostgreSQL together.
+
+A worker with many runs appends many steps at once, each today one statement and one commit of
+its own: per step the database parses, plans, starts an executor, writes a commit record and
+wakes a backend. :class:`GroupCommit` sends them as one statement (queries.sql ``append_steps``)
+instead, without waiting for anyone: an append that finds nothing in flight is sent at once, by
+its own caller, alone (no timer, no added latency for a worker with one run). The appends that
+arrive while a statement is in flight are queued, and sent together as the next statement when it
+returns: the busier the database, the bigger the batch ("natural" group commit, as PostgreSQL
+groups the WAL flushes of concurrent commits without a commit_delay).
+
+The batcher knows nothing of SQL: the Store gives it the function that sends a batch and returns
+each item's outcome (a value, or the exception for that item's caller alone); an exception the
+function raises is every caller's of that batch (a connection lost mid-statement: one statement is
+one transaction, so none of it was applied). Items whose ``key`` says they cannot share a
+statement (another worker's, or a second item for a run already in the batch) wait for a later
+one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: Rows in one statement at most: bounds the statement's size (a worker rarely holds more runs).
+MAX_BATCH = 512
+
+
+@dataclass
+class AppendStats:
+    """What the appends cost in statements: ``statements`` sent for ``rows`` appends (equal
+    without group commit), the ``largest`` batch, and the ``fallbacks``: batches the database
+    refused whole (a value a column refuses, a duplicate that raced the check), sent again one
+    append per statement so each caller gets its own answer."""
+
+    statements: int = 0
+    rows: int = 0
+    largest: int = 0
+    fallbacks: int = 0
+
+    def count(self, rows: int) -> None:
+        self.statements += 1
+        self.rows += rows
+        self.largest = max(self.largest, rows)
+
+
+class GroupCommit(Generic[T, R]):
+    """Sends items through ``send`` one batch at a time (see the module docstring).
+
+    ``send(items)`` returns one outcome per item, in order: its result, or the exception its
+    caller gets. ``key(item)`` is ``(group, slot)``: a batch holds items of one group, at most one
+    per slot."""
+
+    def __init__(
+        self,
+        send: Callable[[Sequence[T]], Awaitable[Sequence[R | Exception]]],
+        key: Callable[[T], tuple[Hashable, Hashable]],
+        *,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self._send = send
+        self._key = key
+        self._max_batch = max_batch
+        self._busy = False
+        self._queue: list[tuple[T, asyncio.Future[R]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, item: T) -> R:
+        """Send ``item`` (now if nothing is in flight, else with the next batch); its outcome."""
+        if not self._busy:
+            # Nothing in flight: this caller sends its own item at once, on its own task.
+            self._busy = True
+            try:
+                outcome = (await self._send([item]))[0]
+            finally:
+                self._hand_over()
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, future))
+        return await future
+
+    def _hand_over(self) -> None:
+        """After a batch: the queued items go out next, on a task of their own (the caller whose
+        batch just returned does not wait for theirs)."""
+        if any(not f.done() for _, f in self._queue):
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+        else:
+            self._queue.clear()
+            self._busy = False
+
+    def _take(self) -> list[tuple[T, asyncio.Future[R]]]:
+        """The next batch, in arrival order: the first waiting item's group, one item per slot;
+        the others stay queued (a caller cancelled while waiting is dropped)."""
+        batch: list[tuple[T, asyncio.Future[R]]] = []
+        rest: list[tuple[T, asyncio.Future[R]]] = []
+        group: Hashable = None
+        slots: set[Hashable] = set()
+        for entry in self._queue:
+            item, future = entry
+            if future.done():
+                continue
+            g, slot = self._key(item)
+            if not batch:
+                group = g
+            if g == group and slot not in slots and len(batch) < self._max_batch:
+                batch.append(entry)
+                slots.add(slot)
+            else:
+                rest.append(entry)
+        self._queue = rest
+        return batch
+
+    async def _drain(self) -> None:
+        try:
+            while batch := self._take():
+                try:
+                    outcomes = await self._send([item for item, _ in batch])
+                except Exception as exc:
+                    # Nothing of the statement was applied: each caller gets what a lone append
+                    # would have raised.
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                except BaseException:
+                    for _, future in batch:
+                        future.cancel()
+                    raise
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(outcome, Exception):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
+        finally:
+            # Cancelled (the loop is closing): nobody will send the rest.
+            for _, future in self._queue:
+                future.cancel()
+            self._queue.clear()
+            self._drainer = None
+            self._busy = False
