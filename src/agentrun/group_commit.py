@@ -144,6 +144,12 @@ class GroupCommit(Generic[T, R]):
                         future.set_exception(outcome)
                     else:
                         future.set_result(outcome)
+                # One pass of the event loop (not a timer) before the next batch: the callers
+                # just answered run first, and one that appends again at once (a run whose next
+                # step is ready) joins the next batch instead of waiting for it to return. Without
+                # it, runs that append back to back split into two cohorts that take turns, each
+                # batch half the runs and every commit flushed alone.
+                await asyncio.sleep(0)
         finally:
             # Cancelled (the loop is closing): nobody will send the rest.
             for _, future in self._queue:
