@@ -314,3 +314,15 @@ async def test_a_followed_run_in_a_batch_is_notified_and_the_others_are_not(
         assert sent.kinds == ["one", "batch"]
         heard = [n.payload async for n in conn.notifies(timeout=1.0)]
     assert heard == [str(followed.run_id)]
+
+
+async def test_a_caller_cancelled_while_queued_is_not_sent(store: Store, sent: Sent) -> None:
+    leases = await held_runs(store, 4)
+    tasks = [asyncio.create_task(store.append_step(lease, 0, "note", {})) for lease in leases]
+    await asyncio.sleep(0)  # all four submitted: the first in flight, three queued
+    tasks[2].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
+    assert sent.kinds == ["one", "batch"] and store.append_stats.rows == 3
+    assert await store.steps(leases[2].run_id) == []

@@ -987,6 +987,10 @@ class Store:
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
+
+        With group commit (the default) an append made while another is in flight goes out with
+        the others that wait, in one statement, each still fenced on its own (docs/store.md,
+        "Group commit"); the answer is the same.
         """
         append = _Append(
             lease,
