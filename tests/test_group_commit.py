@@ -8,7 +8,7 @@ each one (as tests/test_operator_idle.py does)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled
+from agentrun.group_commit import GroupCommit
 from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
 from agentrun.store import CHANNEL_RUN_STEPS, Lease, Store
@@ -326,3 +327,28 @@ async def test_a_caller_cancelled_while_queued_is_not_sent(store: Store, sent: S
     assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
     assert sent.kinds == ["one", "batch"] and store.append_stats.rows == 3
     assert await store.steps(leases[2].run_id) == []
+
+
+async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
+    """The batcher alone, with a fake statement: at most max_batch items, one per slot, the
+    first waiting item's group first; the others keep their turn."""
+    sent_batches: list[list[tuple[str, int]]] = []
+
+    async def send(items: Sequence[tuple[str, int]]) -> list[int | Exception]:
+        sent_batches.append(list(items))
+        await asyncio.sleep(0.01)
+        return [n for _, n in items]
+
+    batcher: GroupCommit[tuple[str, int], int] = GroupCommit(
+        send, lambda item: (item[0], item[1] % 5), max_batch=3)
+    items = [("a", n) for n in range(8)] + [("b", 8), ("a", 10)]
+    got = await asyncio.gather(*(batcher.submit(item) for item in items))
+    assert got == [n for _, n in items]
+    assert sent_batches == [
+        [("a", 0)],
+        [("a", 1), ("a", 2), ("a", 3)],
+        [("a", 4), ("a", 5), ("a", 6)],  # ("a", 5) is slot 0 again, but ("a", 0) went already
+        [("a", 7), ("a", 10)],  # ("a", 10): slot 0, its own run's earlier item is long gone
+        [("b", 8)],
+    ]
+    assert batcher.queued == 0

@@ -27,8 +27,10 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: Rows in one statement at most: bounds the statement's size (a worker rarely holds more runs).
-MAX_BATCH = 512
+#: Rows in one statement at most. The statement matches its rows to the runs by a nested loop
+#: (queries.sql append_steps), n x n comparisons: negligible at 128, not at thousands. A worker
+#: rarely holds more runs; more wait for the next statement.
+MAX_BATCH = 128
 
 
 @dataclass

@@ -248,6 +248,10 @@ WITH fence AS (
                    cache_write_tokens, cost_usd, kind, payload, request_id)
      WHERE id = held.run_id
        AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
+       -- The batch's runs by primary key, whatever the planner guesses of the unnest: without
+       -- it a plan may read every running run (agent_run_lease_idx) to join them (measured 0.3 ms
+       -- more per statement with 5,000 running runs in the table, at 2 rows a batch).
+       AND id = ANY(%(run_ids)s::uuid[])
        AND NOT EXISTS (SELECT 1 FROM agent_step s WHERE s.run_id = held.run_id AND s.seq = held.seq)
     RETURNING id, held.epoch, held.seq, held.kind, held.payload, held.request_id
 ), followed AS (
