@@ -171,14 +171,17 @@ async def test_a_duplicate_row_fails_alone_and_changes_nothing(
     store: Store, sent: Sent, database_url: str
 ) -> None:
     leases = await held_runs(store, 4)
-    dup = leases[2]
+    dup, gap = leases[2], leases[3]
     await store.append_step(dup, 0, "model_turn", {"first": True})
+    # A seq below next_seq that is not there (a gap) is no duplicate.
+    await store.append_step(gap, 5, "model_turn", {"n": 5})
     before = await run_row(database_url, dup.run_id)
-    results = await append_all(store, leases, [0, 0, 0, 0])
-    assert sent.kinds == ["one", "one", "batch"]
+    results = await append_all(store, leases, [0, 0, 0, 1])
+    assert sent.kinds == ["one", "one", "one", "batch"]
     assert isinstance(results[2], DuplicateStep)
     assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
     assert [s.payload for s in await store.steps(dup.run_id)] == [{"first": True}]
+    assert [s.seq for s in await store.steps(gap.run_id)] == [1, 5]
     after = await run_row(database_url, dup.run_id)
     # Like the single append's duplicate (rolled back): no tokens, no renewal.
     assert after["input_tokens"] == before["input_tokens"] == 0
