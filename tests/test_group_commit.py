@@ -8,7 +8,8 @@ each one (as tests/test_operator_idle.py does)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -336,14 +337,20 @@ async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
     """The batcher alone, with a fake statement: at most max_batch items, one per slot, the
     first waiting item's group first; the others keep their turn."""
     sent_batches: list[list[tuple[str, int]]] = []
+    sessions: list[int] = []
 
-    async def send(items: Sequence[tuple[str, int]]) -> list[int | Exception]:
+    @contextlib.asynccontextmanager
+    async def session() -> AsyncIterator[int]:
+        sessions.append(len(sessions))
+        yield sessions[-1]
+
+    async def send(items: Sequence[tuple[str, int]], session: int) -> list[int | Exception]:
         sent_batches.append(list(items))
         await asyncio.sleep(0.01)
         return [n for _, n in items]
 
-    batcher: GroupCommit[tuple[str, int], int] = GroupCommit(
-        send, lambda item: (item[0], item[1] % 5), max_batch=3)
+    batcher: GroupCommit[tuple[str, int], int, int] = GroupCommit(
+        send, session, lambda item: (item[0], item[1] % 5), max_batch=3)
     items = [("a", n) for n in range(8)] + [("b", 8), ("a", 10)]
     got = await asyncio.gather(*(batcher.submit(item) for item in items))
     assert got == [n for _, n in items]
@@ -355,3 +362,5 @@ async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
         [("b", 8)],
     ]
     assert batcher.queued == 0
+    # The lone first on a session of its own; the four batches that followed it on one.
+    assert sessions == [0, 1]

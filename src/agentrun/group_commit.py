@@ -9,23 +9,28 @@ arrive while a statement is in flight are queued, and sent together as the next 
 returns: the busier the database, the bigger the batch ("natural" group commit, as PostgreSQL
 groups the WAL flushes of concurrent commits without a commit_delay).
 
-The batcher knows nothing of SQL: the Store gives it the function that sends a batch and returns
-each item's outcome (a value, or the exception for that item's caller alone); an exception the
-function raises is every caller's of that batch (a connection lost mid-statement: one statement is
-one transaction, so none of it was applied). Items whose ``key`` says they cannot share a
-statement (another worker's, or a second item for a run already in the batch) wait for a later
-one.
+The batcher knows nothing of SQL: the Store gives it the function that sends a batch on a
+connection and returns each item's outcome (a value, or the exception for that item's caller
+alone); an exception the function raises is every caller's of that batch (a connection lost
+mid-statement: one statement is one transaction, so none of it was applied). Items whose ``key``
+says they cannot share a statement (another worker's, or a second item for a run already in the
+batch) wait for a later one. Batches that follow each other go out on one connection (``session``),
+taken once for the lot and given back when the queue is empty or a batch failed: the pool hands
+its connections out in turn, and a statement on a backend that just ran it is cheaper (its plan
+cached, its caches warm).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+S = TypeVar("S")
 
 #: Rows in one statement at most. The statement matches its rows to the runs by a nested loop
 #: (queries.sql append_steps), n x n comparisons: negligible at 128, not at thousands. A worker
@@ -51,21 +56,23 @@ class AppendStats:
         self.largest = max(self.largest, rows)
 
 
-class GroupCommit(Generic[T, R]):
+class GroupCommit(Generic[T, R, S]):
     """Sends items through ``send`` one batch at a time (see the module docstring).
 
-    ``send(items)`` returns one outcome per item, in order: its result, or the exception its
-    caller gets. ``key(item)`` is ``(group, slot)``: a batch holds items of one group, at most one
-    per slot."""
+    ``send(items, session)`` returns one outcome per item, in order: its result, or the exception
+    its caller gets; ``session()`` opens what it sends on (a pooled connection). ``key(item)`` is
+    ``(group, slot)``: a batch holds items of one group, at most one per slot."""
 
     def __init__(
         self,
-        send: Callable[[Sequence[T]], Awaitable[Sequence[R | Exception]]],
+        send: Callable[[Sequence[T], S], Awaitable[Sequence[R | Exception]]],
+        session: Callable[[], AbstractAsyncContextManager[S]],
         key: Callable[[T], tuple[Hashable, Hashable]],
         *,
         max_batch: int = MAX_BATCH,
     ) -> None:
         self._send = send
+        self._session = session
         self._key = key
         self._max_batch = max_batch
         self._busy = False
@@ -82,7 +89,8 @@ class GroupCommit(Generic[T, R]):
             # Nothing in flight: this caller sends its own item at once, on its own task.
             self._busy = True
             try:
-                outcome = (await self._send([item]))[0]
+                async with self._session() as session:
+                    outcome = (await self._send([item], session))[0]
             finally:
                 self._hand_over()
             if isinstance(outcome, Exception):
@@ -126,32 +134,16 @@ class GroupCommit(Generic[T, R]):
     async def _drain(self) -> None:
         try:
             while batch := self._take():
-                try:
-                    outcomes = await self._send([item for item, _ in batch])
-                except Exception as exc:
-                    # Nothing of the statement was applied: each caller gets what a lone append
-                    # would have raised.
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                except BaseException:
-                    for _, future in batch:
-                        future.cancel()
-                    raise
-                for (_, future), outcome in zip(batch, outcomes, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(outcome, Exception):
-                        future.set_exception(outcome)
-                    else:
-                        future.set_result(outcome)
-                # One pass of the event loop (not a timer) before the next batch: the callers
-                # just answered run first, and one that appends again at once (a run whose next
-                # step is ready) joins the next batch instead of waiting for it to return. Without
-                # it, runs that append back to back split into two cohorts that take turns, each
-                # batch half the runs and every commit flushed alone.
-                await asyncio.sleep(0)
+                async with self._session() as session:
+                    while batch and await self._one_batch(batch, session):
+                        # One pass of the event loop (not a timer) before the next batch: the
+                        # callers just answered run first, and one that appends again at once (a
+                        # run whose next step is ready) joins the next batch instead of waiting
+                        # for it to return. Without it, runs that append back to back split into
+                        # two cohorts that take turns, each batch half the runs and every commit
+                        # flushed alone.
+                        await asyncio.sleep(0)
+                        batch = self._take()
         finally:
             # Cancelled (the loop is closing): nobody will send the rest.
             for _, future in self._queue:
@@ -159,3 +151,28 @@ class GroupCommit(Generic[T, R]):
             self._queue.clear()
             self._drainer = None
             self._busy = False
+
+    async def _one_batch(self, batch: list[tuple[T, asyncio.Future[R]]], session: S) -> bool:
+        """Send one batch and answer its callers; False if it failed whole (the session may be
+        broken: the next batch gets another)."""
+        try:
+            outcomes = await self._send([item for item, _ in batch], session)
+        except Exception as exc:
+            # Nothing of the statement was applied: each caller gets what a lone append would
+            # have raised.
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return False
+        except BaseException:
+            for _, future in batch:
+                future.cancel()
+            raise
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():
+                continue
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+        return True

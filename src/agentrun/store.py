@@ -650,8 +650,9 @@ class Store:
         self.options = options or ConnectOptions.from_env()
         #: Statements and rows of the appends (shared by the views of :meth:`with_lease_ttl`).
         self.append_stats = AppendStats()
-        self._group: GroupCommit[_Append, datetime] | None = (
-            GroupCommit(self._send_appends, _append_key) if group_commit else None
+        self._group: GroupCommit[_Append, datetime, psycopg.AsyncConnection[Any]] | None = (
+            GroupCommit(self._send_appends, self.pool.connection, _append_key)
+            if group_commit else None
         )
 
     @classmethod
@@ -1006,10 +1007,11 @@ class Store:
             cost_usd,
         )
         if self._group is None:
-            return await self._append_one(append)
+            async with self.pool.connection() as conn:
+                return await self._append_one(append, conn)
         return await self._group.submit(append)
 
-    async def _append_one(self, a: _Append) -> datetime:
+    async def _append_one(self, a: _Append, conn: psycopg.AsyncConnection[Any]) -> datetime:
         """One append in a statement of its own (queries.sql append_step)."""
         params = self._fence_params(a.lease, ttl=a.ttl)
         params.update(
@@ -1024,23 +1026,24 @@ class Store:
             cost_usd=a.cost_usd,
         )
         self.append_stats.count(1)
-        async with self.pool.connection() as conn:
-            try:
-                cur = await conn.execute(queries["append_step"], params)
-            except psycopg.errors.UniqueViolation:
-                raise DuplicateStep(str(a.lease.run_id), a.seq) from None
-            row = await cur.fetchone()
-            if row is None:
-                raise await self._fence_error(conn, a.lease)
+        try:
+            cur = await conn.execute(queries["append_step"], params)
+        except psycopg.errors.UniqueViolation:
+            raise DuplicateStep(str(a.lease.run_id), a.seq) from None
+        row = await cur.fetchone()
+        if row is None:
+            raise await self._fence_error(conn, a.lease)
         created_at: datetime = row[1]
         return created_at
 
-    async def _send_appends(self, batch: Sequence[_Append]) -> list[datetime | Exception]:
+    async def _send_appends(
+        self, batch: Sequence[_Append], conn: psycopg.AsyncConnection[Any]
+    ) -> list[datetime | Exception]:
         """A batch of the group commit (distinct runs of one worker): one append_steps
-        statement; each append's commit time, or the error its own caller gets."""
+        statement on ``conn``; each append's commit time, or the error its own caller gets."""
         if len(batch) == 1:
             # Alone: the single statement, exactly as without group commit.
-            return [await self._append_one(batch[0])]
+            return [await self._append_one(batch[0], conn)]
         worker = batch[0].lease.worker
         params = {
             "worker": worker,
@@ -1059,24 +1062,21 @@ class Store:
         }
         self.append_stats.count(len(batch))
         try:
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(queries["append_steps"], params)
-                written: dict[UUID, datetime] = {
-                    row[0]: row[1] for row in await cur.fetchall()
-                }
-                missed = [a for a in batch if a.lease.run_id not in written]
-                states: dict[UUID, dict[str, Any]] = {}
-                if missed:
-                    explain = conn.cursor(row_factory=dict_row)
-                    await explain.execute(queries["fence_states"],
-                                          {"ids": [a.lease.run_id for a in missed]})
-                    states = {row["id"]: row for row in await explain.fetchall()}
+            cur = await conn.execute(queries["append_steps"], params)
+            written: dict[UUID, datetime] = {row[0]: row[1] for row in await cur.fetchall()}
         except (psycopg.IntegrityError, psycopg.DataError):
             # The statement failed whole, so nothing of it was applied: a value a column refuses,
             # or a duplicate that raced the statement's check (a concurrent append of the same
             # seq). Each append again on its own, so each caller gets its own answer.
             self.append_stats.fallbacks += 1
-            return await _outcomes(self._append_one(a) for a in batch)
+            return await _outcomes(self._append_one(a, conn) for a in batch)
+        missed = [a for a in batch if a.lease.run_id not in written]
+        states: dict[UUID, dict[str, Any]] = {}
+        if missed:
+            explain = conn.cursor(row_factory=dict_row)
+            await explain.execute(queries["fence_states"],
+                                  {"ids": [a.lease.run_id for a in missed]})
+            states = {row["id"]: row for row in await explain.fetchall()}
         out: list[datetime | Exception] = []
         for a in batch:
             if a.lease.run_id in written:
