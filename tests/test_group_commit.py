@@ -17,10 +17,11 @@ import psycopg
 import pytest
 
 from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled
-from agentrun.group_commit import GroupCommit
+from agentrun.group_commit import AppendStats, GroupCommit
 from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
 from agentrun.store import CHANNEL_RUN_STEPS, Lease, Store
+from agentrun.worker.health import WorkerMetrics
 from tests.test_store import expire_lease
 
 AGENT = AgentSpec(model="claude-sonnet-4-5", system="s")
@@ -364,3 +365,14 @@ async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
     assert batcher.queued == 0
     # The lone first on a session of its own; the four batches that followed it on one.
     assert sessions == [0, 1]
+
+
+def test_the_worker_exports_the_append_counters() -> None:
+    stats = AppendStats()
+    metrics = WorkerMetrics()
+    metrics.watch_appends(stats)
+    stats.count(1)
+    stats.count(15)
+    sample = metrics.registry.get_sample_value
+    assert sample("agentrun_append_statements_total") == 2
+    assert sample("agentrun_append_rows_total") == 16
