@@ -60,8 +60,9 @@ class GroupCommit(Generic[T, R, S]):
     """Sends items through ``send`` one batch at a time (see the module docstring).
 
     ``send(items, session)`` returns one outcome per item, in order: its result, or the exception
-    its caller gets; ``session()`` opens what it sends on (a pooled connection). ``key(item)`` is
-    ``(group, slot)``: a batch holds items of one group, at most one per slot."""
+    its caller gets; ``session()`` opens what it sends on (a pooled connection), which the next
+    batch reuses while ``alive(session)``. ``key(item)`` is ``(group, slot)``: a batch holds items
+    of one group, at most one per slot."""
 
     def __init__(
         self,
@@ -69,10 +70,12 @@ class GroupCommit(Generic[T, R, S]):
         session: Callable[[], AbstractAsyncContextManager[S]],
         key: Callable[[T], tuple[Hashable, Hashable]],
         *,
+        alive: Callable[[S], bool] = lambda session: True,
         max_batch: int = MAX_BATCH,
     ) -> None:
         self._send = send
         self._session = session
+        self._alive = alive
         self._key = key
         self._max_batch = max_batch
         self._busy = False
@@ -135,7 +138,8 @@ class GroupCommit(Generic[T, R, S]):
         try:
             while batch := self._take():
                 async with self._session() as session:
-                    while batch and await self._one_batch(batch, session):
+                    while (batch and await self._one_batch(batch, session)
+                           and self._alive(session)):
                         # One pass of the event loop (not a timer) before the next batch: the
                         # callers just answered run first, and one that appends again at once (a
                         # run whose next step is ready) joins the next batch instead of waiting

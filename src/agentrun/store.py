@@ -651,7 +651,8 @@ class Store:
         #: Statements and rows of the appends (shared by the views of :meth:`with_lease_ttl`).
         self.append_stats = AppendStats()
         self._group: GroupCommit[_Append, datetime, psycopg.AsyncConnection[Any]] | None = (
-            GroupCommit(self._send_appends, self.pool.connection, _append_key)
+            GroupCommit(self._send_appends, self.pool.connection, _append_key,
+                        alive=lambda conn: not (conn.closed or conn.broken))
             if group_commit else None
         )
 
@@ -1042,8 +1043,13 @@ class Store:
         """A batch of the group commit (distinct runs of one worker): one append_steps
         statement on ``conn``; each append's commit time, or the error its own caller gets."""
         if len(batch) == 1:
-            # Alone: the single statement, exactly as without group commit.
-            return [await self._append_one(batch[0], conn)]
+            # Alone: the single statement, exactly as without group commit. Its own answer is
+            # returned, not raised: the connection is fine, the next batch may use it.
+            try:
+                return [await self._append_one(batch[0], conn)]
+            except (LeaseLost, DuplicateStep, RunNotFound, psycopg.IntegrityError,
+                    psycopg.DataError) as exc:
+                return [exc]
         worker = batch[0].lease.worker
         params = {
             "worker": worker,
