@@ -66,6 +66,16 @@ class BackendCpu:
                 "SELECT pid FROM pg_stat_activity WHERE datname = %s", (self.dbname,))
             return [int(r[0]) for r in await cur.fetchall()]
 
+    async def free_connections(self) -> int:
+        """Connections the server can still take (max_connections less those open), less a few
+        for the superuser and the readings."""
+        async with await psycopg.AsyncConnection.connect(self.other, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT current_setting('max_connections')::int - count(*)::int "
+                "FROM pg_stat_activity WHERE backend_type = 'client backend'")
+            row = await cur.fetchone()
+        return (int(row[0]) if row else 0) - 8
+
     async def sample(self) -> dict[int, int] | None:
         """CPU ns by backend pid; None when the backends are not readable here."""
         out = {pid: ns for pid in await self.pids() if (ns := _cpu_ns(pid)) is not None}
@@ -84,12 +94,15 @@ async def _rounds(
     url: str, cpu: BackendCpu, writers: int, per: int, rounds: int
 ) -> dict[str, dict[str, list[float]]]:
     """Each variant's figures, one per round, for ``writers`` writers of ``per`` appends."""
-    grouped = await Store.open(url, min_size=writers + 3, max_size=writers + 3)
+    # A worker's pool (writers + 3), unless the server (shared) cannot take that many.
+    size = max(2, min(writers + 3, await cpu.free_connections()))
+    grouped = await Store.open(url, min_size=size, max_size=size, connect_timeout=60)
     single = Store(grouped.pool, grouped.url, group_commit=False)
     stores = {"group commit": grouped, "one statement each": single}
     got: dict[str, dict[str, list[float]]] = {
         v: {"cpu_ms": [], "per_s": [], "p50_ms": [], "p99_ms": [], "rows_per_stmt": []}
         for v in VARIANTS}
+    got["pool"] = {"size": [float(size)]}
     try:
         pool = f"group{writers}"
         for _ in range(writers):
@@ -147,7 +160,9 @@ async def group_bench(
     for writers in writers_list:
         per = max(10, steps // writers)
         got = await _rounds(url, cpu, writers, per, rounds)
-        cell: dict[str, Any] = {"appends_per_round": writers * per}
+        pool = got.pop("pool")
+        cell: dict[str, Any] = {"appends_per_round": writers * per,
+                                "pool_size": int(pool["size"][0])}
         for variant, g in got.items():
             cell[variant] = {
                 "cpu_ms_per_append": statistics.median(g["cpu_ms"]) if g["cpu_ms"] else None,
@@ -168,6 +183,9 @@ async def group_bench(
         cell["cpu_ratio_min"] = min(pairs, default=None)
         cell["cpu_ratio_max"] = max(pairs, default=None)
         cell["p50_ratio"] = b["p50_ms"] / s["p50_ms"]
+        # The same per round: the two variants of a round ran back to back, in the same weather.
+        cell["p50_ratio_paired"] = statistics.median(
+            x / y for x, y in zip(b["all"]["p50_ms"], s["all"]["p50_ms"], strict=True))
         cell["rate_ratio"] = b["per_s"] / s["per_s"]
         out["by_writers"][str(writers)] = cell
     out["cpu_measured"] = all(
@@ -178,7 +196,8 @@ async def group_bench(
 def print_group(res: dict[str, Any]) -> None:
     print(f"group commit, {res['rounds']} interleaved rounds (median, [min-max] over rounds):")
     for writers, c in res["by_writers"].items():
-        print(f"  {writers:>3} writer(s), {c['appends_per_round']} appends per round:")
+        print(f"  {writers:>3} writer(s), {c['appends_per_round']} appends per round, a pool of "
+              f"{c['pool_size']}:")
         for v in VARIANTS:
             d = c[v]
             cpu = (f"{d['cpu_ms_per_append']:.3f} ms [{d['cpu_ms_min']:.3f}-{d['cpu_ms_max']:.3f}]"
