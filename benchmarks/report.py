@@ -64,6 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "startup_rounds": 1,
         "claim_held": 2000,
         "claim_rounds": 20,
+        "group_steps": 64,
+        "group_rounds": 1,
     },
     "small": {
         "store_steps": 1000,
@@ -79,6 +81,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "startup_rounds": 8,
         "claim_held": 10_000,
         "claim_rounds": 200,
+        "group_steps": 1000,
+        "group_rounds": 5,
     },
     "large": {
         "store_steps": 4000,
@@ -94,11 +98,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "startup_rounds": 12,
         "claim_held": 10_000,
         "claim_rounds": 500,
+        "group_steps": 4000,
+        "group_rounds": 7,
     },
 }
 SECTIONS = (
-    "store", "claim", "per_step", "resume", "cancel", "throughput", "startup", "prune", "idle",
-    "operator", "memory",
+    "store", "claim", "group", "per_step", "resume", "cancel", "throughput", "startup", "prune",
+    "idle", "operator", "memory",
 )
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
 WORKER_MEMORY_REQUEST_MIB = 256
@@ -223,6 +229,7 @@ def run_all(
     from benchmarks import (
         claim_bench,
         fleet_bench,
+        group_bench,
         prune_bench,
         startup_bench,
         store_bench,
@@ -264,6 +271,18 @@ def run_all(
                 c = res["claim"]
                 log(f"claim: {c['new_held_p50_ms']:.2f} ms with {c['held']} held runs, "
                     f"{c['ratio_new']:.2f}x none held (old statement {c['ratio_old']:.2f}x)")
+        if "group" in only:
+            with (
+                section(res, errors, "group", log),
+                throwaway_database("agentrun_rg", admin) as url,
+            ):
+                res["group"] = asyncio.run(
+                    group_bench.group_bench(url, p["group_steps"], p["group_rounds"])
+                )
+                by = res["group"]["by_writers"]
+                log("group: " + ", ".join(
+                    f"{w} writers {c['cpu_ratio']:.2f}x less db cpu" if c["cpu_ratio"]
+                    else f"{w} writers cpu not measured" for w, c in by.items()))
         if "prune" in only:
             with (
                 section(res, errors, "prune", log),
@@ -436,6 +455,11 @@ F_START = "worker start-up, exec to first claim (benchmarks/startup_bench.py)"
 STARTUP_GOAL_S = 0.5
 F_FOLLOW = "store append, 16 writers, with followers (logs -f) vs before migration 0008"
 F_PRUNE = "prune of finished runs beside live appends (benchmarks/prune_bench.py)"
+F_GROUP = "group commit: database CPU per append vs one statement each (benchmarks/group_bench.py)"
+F_GROUP_1 = "group commit: append latency with 1 run (nothing to group)"
+#: Issue 17's goal for F_GROUP (at 16 runs and more), and the noise allowed on F_GROUP_1's p50.
+GROUP_CPU_GOAL = 3.0
+GROUP_LATENCY_NOISE = 1.15
 NO_GOAL = "no goal set"
 GOALS = {
     F_STEP: "< 2 ms/step",
@@ -444,6 +468,9 @@ GOALS = {
     F_CLAIM: NO_GOAL,
     F_FOLLOW: "no follower: ≥ 0.9x (noise)",
     F_PRUNE: "no live step touched, no writer waits on a lock, every old finished run gone",
+    F_GROUP: f"≥ {GROUP_CPU_GOAL:g}x less database CPU per step at ≥ 16 runs",
+    F_GROUP_1: f"no added latency: p50 ≤ {GROUP_LATENCY_NOISE:g}x one statement each (noise), "
+    "round by round",
     F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (1 per 10 s)",
     F_CLAIM_HELD: "O(1) in held runs: ≤ 1.3x none held, buffers not growing; ≤ 0.5 ms",
     F_BEAT: "one statement per heartbeat interval per worker, whatever the runs held",
@@ -463,6 +490,7 @@ SECTION_FIGURES = {
     "throughput": ["steps/s with 1 and 2 worker processes"],
     "idle": [F_IDLE],
     "claim": [F_CLAIM_HELD, F_BEAT],
+    "group": [F_GROUP, F_GROUP_1],
     "resume": [F_KILL, F_TERM],
     "cancel": [F_CANCEL],
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
@@ -575,6 +603,34 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
             f"{b['before_statements_per_minute']:,.0f}/min (one per run per interval)",
             per_interval <= 1.05,
         )
+    if not skipped("group"):
+        by = res["group"]["by_writers"]
+        parts, met = [], True
+        for w, c in by.items():
+            b, o = c["group commit"], c["one statement each"]
+            if c["cpu_ratio"] is None:
+                parts.append(f"{w} writers: CPU not measured (no /proc of the server here)")
+                met = False
+                continue
+            parts.append(
+                f"{w} writer{'s' if w != '1' else ''}: {b['cpu_ms_per_append']:.3f} vs "
+                f"{o['cpu_ms_per_append']:.3f} ms, {c['cpu_ratio']:.2f}x ({c['cpu_ratio_min']:.2f}-"
+                f"{c['cpu_ratio_max']:.2f}), {b['rows_per_statement']:.1f} rows/statement, "
+                f"{b['per_s']:,.0f} vs {o['per_s']:,.0f} appends/s")
+            if int(w) >= 16:
+                met = met and c["cpu_ratio"] >= GROUP_CPU_GOAL
+        row(F_GROUP, "; ".join(parts), met)
+        one = by.get("1")
+        if one is not None:
+            b, o = one["group commit"], one["one statement each"]
+            paired = one.get("p50_ratio_paired", one["p50_ratio"])
+            row(F_GROUP_1,
+                f"p50 {b['p50_ms']:.2f} vs {o['p50_ms']:.2f} ms ({one['p50_ratio']:.2f}x; "
+                f"{paired:.2f}x the median of the rounds' pairs), "
+                f"{b['rows_per_statement']:.1f} rows/statement",
+                paired <= GROUP_LATENCY_NOISE)
+        else:
+            row(F_GROUP_1, "not measured (no 1-writer cell)", None)
     if not skipped("idle"):
         q = res["idle"]["queries_per_minute"]
         row(F_IDLE, f"{q:.1f} queries/min ({res['idle']['method']})", q <= IDLE_WORKER_GOAL_QPM)
@@ -750,6 +806,39 @@ def markdown(res: dict[str, Any], errors: dict[str, str], table: list[Row], runt
                         f"{r['ratio_rate_vs_raw']:.2f}x" if r.get("ratio_rate_vs_raw") else "-",
                     ]
                     for r in s["rows"]
+                ],
+            ),
+        ]
+    if "group" in res:
+        g = res["group"]
+        out += [
+            "",
+            "## Group commit",
+            "",
+            f"N writers, each holding its own run, append back to back through `Store.append_step`"
+            f", with group commit (what workers run) and with `group_commit=False` (one statement "
+            f"per append), on one pool of N + 3 connections, {g['rounds']} interleaved round(s) of "
+            f"about {g['steps']} appends per variant. Database CPU: the CPU time of the "
+            "database's backends (`/proc/<pid>/schedstat`) over the round, per append; median "
+            "and [min-max] over the rounds.",
+            "",
+            _table(
+                ["writers", "variant", "db CPU ms/append", "appends/s", "p50 ms", "p99 ms",
+                 "rows/statement"],
+                [
+                    [
+                        w,
+                        v,
+                        (f"{d['cpu_ms_per_append']:.3f} [{d['cpu_ms_min']:.3f}-"
+                         f"{d['cpu_ms_max']:.3f}]" if d["cpu_ms_per_append"] is not None
+                         else "-"),
+                        f"{d['per_s']:,.0f}",
+                        f"{d['p50_ms']:.2f}",
+                        f"{d['p99_ms']:.2f}",
+                        f"{d['rows_per_statement']:.1f}",
+                    ]
+                    for w, c in g["by_writers"].items()
+                    for v, d in ((v, c[v]) for v in ("group commit", "one statement each"))
                 ],
             ),
         ]

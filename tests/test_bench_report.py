@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmarks import report
@@ -178,3 +179,39 @@ def test_the_prune_and_follower_figures_are_judged() -> None:
     table = {r.figure: r for r in report.rows(res, {})}
     assert table[report.F_PRUNE].met is False
     assert "live steps changed" in table[report.F_PRUNE].measured
+
+
+def _group_cell(batched_ms: float, single_ms: float, p50: tuple[float, float]) -> dict[str, Any]:
+    def variant(ms: float, p50_ms: float, rows: float) -> dict[str, Any]:
+        return {"cpu_ms_per_append": ms, "cpu_ms_min": ms * 0.9, "cpu_ms_max": ms * 1.1,
+                "per_s": 1000.0, "p50_ms": p50_ms, "p99_ms": p50_ms * 3,
+                "rows_per_statement": rows}
+
+    return {
+        "appends_per_round": 1000,
+        "group commit": variant(batched_ms, p50[0], 12.0),
+        "one statement each": variant(single_ms, p50[1], 1.0),
+        "cpu_ratio": single_ms / batched_ms, "cpu_ratio_min": 0.9 * single_ms / batched_ms,
+        "cpu_ratio_max": 1.1 * single_ms / batched_ms, "p50_ratio": p50[0] / p50[1],
+        "rate_ratio": 1.0,
+    }
+
+
+def test_the_group_commit_figures_are_judged() -> None:
+    res = _results()
+    res["group"] = {"steps": 1000, "rounds": 3, "by_writers": {
+        "1": _group_cell(0.6, 0.6, (1.0, 1.0)),
+        "16": _group_cell(0.15, 0.6, (5.0, 6.0)),
+        "64": _group_cell(0.1, 0.6, (20.0, 30.0)),
+    }}
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table[report.F_GROUP].met is True
+    assert "16 writers: 0.150 vs 0.600 ms, 4.00x" in table[report.F_GROUP].measured
+    assert table[report.F_GROUP_1].met is True
+    res["group"]["by_writers"]["16"] = _group_cell(0.3, 0.6, (5.0, 6.0))  # type: ignore[index]
+    res["group"]["by_writers"]["1"] = _group_cell(0.6, 0.6, (1.5, 1.0))  # type: ignore[index]
+    table = {r.figure: r for r in report.rows(res, {})}
+    assert table[report.F_GROUP].met is False  # 2x at 16 is under 3x
+    assert table[report.F_GROUP_1].met is False  # 1.5x the latency with nothing to group
+    md = report.markdown({"preset": "small", "group": res["group"]}, {}, list(table.values()), 1.0)
+    assert "## Group commit" in md and "| 16 | group commit | 0.300 [0.270-0.330] |" in md

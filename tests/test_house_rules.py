@@ -26,10 +26,12 @@ FENCE = re.compile(
     r"lease_owner\s*=\s*%\(worker\)s\s+AND\s+lease_epoch\s*=\s*%\(epoch\)s\s+AND\s+"
     r"status\s*=\s*'running'"
 )
-#: The same fence for many runs of one holder at once (the batched heartbeat): each row's own
-#: epoch, from the unnest of the ids and epochs the worker holds.
+#: The same fence for many runs of one holder at once (the batched heartbeat, the group commit):
+#: each row's own epoch, from the unnest of the ids and epochs the worker holds (and, for the
+#: group commit, more columns after those two).
 BATCH_FENCE = re.compile(
-    r"unnest\(%\(run_ids\)s::uuid\[\],\s*%\(epochs\)s::bigint\[\]\)\s+AS\s+held\(run_id,\s*epoch\)"
+    r"unnest\(%\(run_ids\)s::uuid\[\],\s*%\(epochs\)s::bigint\[\][^;]*?\)\s+"
+    r"AS\s+held\(run_id,\s*epoch\b[^)]*\)"
     r".*\bid\s*=\s*held\.run_id\s+AND\s+lease_owner\s*=\s*%\(worker\)s\s+AND\s+"
     r"lease_epoch\s*=\s*held\.epoch\s+AND\s+status\s*=\s*'running'",
     re.DOTALL,

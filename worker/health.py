@@ -20,7 +20,7 @@ preStop hook (``agentrun drain-local``, run inside the container) can call.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from agentrun.group_commit import AppendStats
 from agentrun.metrics import register_standard_collectors
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
@@ -119,6 +122,11 @@ class WorkerMetrics:
             "Unix time of the last claim poll, lease renewal or commit",
             registry=r,
         )
+
+    def watch_appends(self, stats: AppendStats) -> None:
+        """Export the store's append counters (read at each scrape): rows / statements is the
+        group commit's batch size."""
+        self.registry.register(_AppendCollector(stats))
 
     def count_tokens(
         self,
@@ -245,3 +253,21 @@ def make_control_app(health: Health) -> web.Application:
     app = web.Application()
     app.router.add_post("/drain", drain)
     return app
+
+
+class _AppendCollector(Collector):
+    """agentrun_append_statements_total and agentrun_append_rows_total, from the store's
+    :class:`AppendStats`."""
+
+    def __init__(self, stats: AppendStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "agentrun_append_statements",
+            "Statements the step appends went out in (group commit: several runs' appends each)",
+            value=self.stats.statements,
+        )
+        yield CounterMetricFamily(
+            "agentrun_append_rows", "Step appends sent", value=self.stats.rows
+        )

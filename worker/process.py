@@ -218,6 +218,7 @@ class Worker:
         self.store = store.with_lease_ttl(settings.lease_ttl)
         self.settings = settings
         self.metrics = WorkerMetrics()
+        self.metrics.watch_appends(self.store.append_stats)
         self.health = Health(
             settings.liveness_threshold,
             self.metrics,

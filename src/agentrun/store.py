@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, Self, overload
@@ -58,6 +58,7 @@ from agentrun.errors import (
     RunCancelled,
     RunNotFound,
 )
+from agentrun.group_commit import AppendStats, GroupCommit
 from agentrun.manifests import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_STEPS,
@@ -639,11 +640,21 @@ class Store:
         *,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         options: ConnectOptions | None = None,
+        group_commit: bool = True,
     ) -> None:
+        """``group_commit``: concurrent appends go out together, one statement per batch
+        (agentrun/group_commit.py); False sends each in a statement of its own, as before."""
         self.pool = pool
         self.url = url
         self.lease_ttl = lease_ttl
         self.options = options or ConnectOptions.from_env()
+        #: Statements and rows of the appends (shared by the views of :meth:`with_lease_ttl`).
+        self.append_stats = AppendStats()
+        self._group: GroupCommit[_Append, datetime, psycopg.AsyncConnection[Any]] | None = (
+            GroupCommit(self._send_appends, self.pool.connection, _append_key,
+                        alive=lambda conn: not (conn.closed or conn.broken))
+            if group_commit else None
+        )
 
     @classmethod
     async def open(
@@ -656,6 +667,7 @@ class Store:
         connect_timeout: float = 5.0,
         pool_timeout: float = 30.0,
         options: ConnectOptions | None = None,
+        group_commit: bool = True,
     ) -> Self:
         """``pool_timeout``: how long a query waits for a pooled connection (through an outage)
         before it fails; the operator keeps it short to report a database outage quickly."""
@@ -679,7 +691,7 @@ class Store:
             reconnect_timeout=3600,
         )
         await pool.open(wait=True, timeout=connect_timeout)
-        return cls(pool, url, lease_ttl=lease_ttl, options=opts)
+        return cls(pool, url, lease_ttl=lease_ttl, options=opts, group_commit=group_commit)
 
     def with_lease_ttl(self, lease_ttl: float) -> Self:
         """This store (the same pool) with another lease TTL; itself if it has that one."""
@@ -977,29 +989,115 @@ class Store:
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
+
+        With group commit (the default) an append made while another is in flight goes out with
+        the others that wait, in one statement, each still fenced on its own (docs/store.md,
+        "Group commit"); the answer is the same.
         """
-        params = self._fence_params(lease, ttl=ttl or self.lease_ttl)
-        params.update(
-            seq=seq,
-            kind=kind,
-            payload=Jsonb(payload),
-            request_id=request_id,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cache_read_tokens=cache_read_tokens,
-            cache_write_tokens=cache_write_tokens,
-            cost_usd=cost_usd,
+        append = _Append(
+            lease,
+            seq,
+            kind,
+            Jsonb(payload),
+            request_id,
+            ttl or self.lease_ttl,
+            input_tokens,
+            output_tokens,
+            cache_read_tokens,
+            cache_write_tokens,
+            cost_usd,
         )
-        async with self.pool.connection() as conn:
-            try:
-                cur = await conn.execute(queries["append_step"], params)
-            except psycopg.errors.UniqueViolation:
-                raise DuplicateStep(str(lease.run_id), seq) from None
-            row = await cur.fetchone()
-            if row is None:
-                raise await self._fence_error(conn, lease)
+        if self._group is None:
+            async with self.pool.connection() as conn:
+                return await self._append_one(append, conn)
+        return await self._group.submit(append)
+
+    async def _append_one(self, a: _Append, conn: psycopg.AsyncConnection[Any]) -> datetime:
+        """One append in a statement of its own (queries.sql append_step)."""
+        params = self._fence_params(a.lease, ttl=a.ttl)
+        params.update(
+            seq=a.seq,
+            kind=a.kind,
+            payload=a.payload,
+            request_id=a.request_id,
+            input_tokens=a.input_tokens,
+            output_tokens=a.output_tokens,
+            cache_read_tokens=a.cache_read_tokens,
+            cache_write_tokens=a.cache_write_tokens,
+            cost_usd=a.cost_usd,
+        )
+        self.append_stats.count(1)
+        try:
+            cur = await conn.execute(queries["append_step"], params)
+        except psycopg.errors.UniqueViolation:
+            raise DuplicateStep(str(a.lease.run_id), a.seq) from None
+        row = await cur.fetchone()
+        if row is None:
+            raise await self._fence_error(conn, a.lease)
         created_at: datetime = row[1]
         return created_at
+
+    async def _send_appends(
+        self, batch: Sequence[_Append], conn: psycopg.AsyncConnection[Any]
+    ) -> list[datetime | Exception]:
+        """A batch of the group commit (distinct runs of one worker): one append_steps
+        statement on ``conn``; each append's commit time, or the error its own caller gets."""
+        if len(batch) == 1:
+            # Alone: the single statement, exactly as without group commit. Its own answer is
+            # returned, not raised: the connection is fine, the next batch may use it.
+            try:
+                return [await self._append_one(batch[0], conn)]
+            except (LeaseLost, DuplicateStep, RunNotFound, psycopg.IntegrityError,
+                    psycopg.DataError) as exc:
+                return [exc]
+        worker = batch[0].lease.worker
+        params = {
+            "worker": worker,
+            "run_ids": [a.lease.run_id for a in batch],
+            "epochs": [a.lease.epoch for a in batch],
+            "seqs": [a.seq for a in batch],
+            "ttls": [float(a.ttl) for a in batch],
+            "input_tokens": [a.input_tokens for a in batch],
+            "output_tokens": [a.output_tokens for a in batch],
+            "cache_read_tokens": [a.cache_read_tokens for a in batch],
+            "cache_write_tokens": [a.cache_write_tokens for a in batch],
+            "cost_usd": [float(a.cost_usd) for a in batch],
+            "kinds": [a.kind for a in batch],
+            "payloads": [a.payload for a in batch],
+            "request_ids": [a.request_id for a in batch],
+        }
+        self.append_stats.count(len(batch))
+        try:
+            cur = await conn.execute(queries["append_steps"], params)
+            written: dict[UUID, datetime] = {row[0]: row[1] for row in await cur.fetchall()}
+        except (psycopg.IntegrityError, psycopg.DataError):
+            # The statement failed whole, so nothing of it was applied: a value a column refuses,
+            # or a duplicate that raced the statement's check (a concurrent append of the same
+            # seq). Each append again on its own, so each caller gets its own answer.
+            self.append_stats.fallbacks += 1
+            return await _outcomes(self._append_one(a, conn) for a in batch)
+        missed = [a for a in batch if a.lease.run_id not in written]
+        states: dict[UUID, dict[str, Any]] = {}
+        if missed:
+            explain = conn.cursor(row_factory=dict_row)
+            await explain.execute(queries["fence_states"],
+                                  {"ids": [a.lease.run_id for a in missed]})
+            states = {row["id"]: row for row in await explain.fetchall()}
+        out: list[datetime | Exception] = []
+        for a in batch:
+            if a.lease.run_id in written:
+                out.append(written[a.lease.run_id])
+                continue
+            state = states.get(a.lease.run_id)
+            held = (
+                state is not None
+                and state["status"] == "running"
+                and (state["lease_owner"], state["lease_epoch"]) == (worker, a.lease.epoch)
+            )
+            # Still held, so the fence let it through: its seq was there already.
+            out.append(DuplicateStep(str(a.lease.run_id), a.seq) if held
+                       else _fence_error(state, a.lease))
+        return out
 
     async def release(self, lease: Lease) -> bool:
         """Hand the run back (draining): claimable at once. False if it was no longer ours."""
@@ -1475,6 +1573,40 @@ class Store:
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(queries["fence_state"], {"run_id": lease.run_id})
         return _fence_error(await cur.fetchone(), lease)
+
+
+@dataclass(frozen=True)
+class _Append:
+    """One :meth:`Store.append_step`, as the group commit queues it."""
+
+    lease: Lease
+    seq: int
+    kind: StepKind
+    payload: Jsonb
+    request_id: str | None
+    ttl: float
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    cache_write_tokens: int
+    cost_usd: float
+
+
+def _append_key(a: _Append) -> tuple[str, UUID]:
+    """Appends share a statement when they are one worker's (its fence names one owner), at
+    most one per run (an UPDATE ... FROM changes a row once, whatever the rows that match it)."""
+    return a.lease.worker, a.lease.run_id
+
+
+async def _outcomes(calls: Iterable[Awaitable[datetime]]) -> list[datetime | Exception]:
+    """Each call's result or its error, one after the other (the fallback of a refused batch)."""
+    out: list[datetime | Exception] = []
+    for call in calls:
+        try:
+            out.append(await call)
+        except Exception as exc:
+            out.append(exc)
+    return out
 
 
 def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:

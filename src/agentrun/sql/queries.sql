@@ -219,6 +219,55 @@ SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(wo
   FROM fence
 RETURNING seq, created_at, (SELECT count(*) FROM followed) AS notified;
 
+-- append_steps --
+-- Group commit (Store.append_step with group_commit, agentrun/group_commit.py): the appends of
+-- one worker's concurrent runs in ONE statement, one row per run, each fenced on its own run and
+-- epoch exactly as append_step is, from arrays (the statement text, and so its prepared plan, is
+-- the same whatever the batch size). A row whose seq is there already matches nothing rather than
+-- failing the statement, so it neither renews its lease nor adds its tokens (append_step's
+-- duplicate rolls back the same way): the rows RETURNING leaves out were fenced off or duplicates,
+-- and fence_states tells which. The run ids of a batch are distinct (one UPDATE per row). The
+-- step's columns ride along in the same unnest and come out of the UPDATE's RETURNING: no second
+-- unnest, no join.
+WITH fence AS (
+    UPDATE agent_run
+       SET next_seq      = greatest(next_seq, held.seq + 1),
+           lease_until   = now() + make_interval(secs => held.ttl),
+           -- agent_run's own columns named in full: held has columns of the same names
+           input_tokens  = agent_run.input_tokens + held.input_tokens,
+           output_tokens = agent_run.output_tokens + held.output_tokens,
+           cache_read_tokens  = agent_run.cache_read_tokens + held.cache_read_tokens,
+           cache_write_tokens = agent_run.cache_write_tokens + held.cache_write_tokens,
+           cost_usd      = agent_run.cost_usd + held.cost_usd
+      FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[], %(seqs)s::integer[],
+                  %(ttls)s::double precision[], %(input_tokens)s::bigint[],
+                  %(output_tokens)s::bigint[], %(cache_read_tokens)s::bigint[],
+                  %(cache_write_tokens)s::bigint[], %(cost_usd)s::double precision[],
+                  %(kinds)s::text[], %(payloads)s::jsonb[], %(request_ids)s::text[])
+           AS held(run_id, epoch, seq, ttl, input_tokens, output_tokens, cache_read_tokens,
+                   cache_write_tokens, cost_usd, kind, payload, request_id)
+     WHERE id = held.run_id
+       AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
+       -- The batch's runs by primary key, whatever the planner guesses of the unnest: without
+       -- it a plan may read every running run (agent_run_lease_idx) to join them (measured 0.3 ms
+       -- more per statement with 5,000 running runs in the table, at 2 rows a batch).
+       AND id = ANY(%(run_ids)s::uuid[])
+       -- Not a duplicate. next_seq is past every seq the run has (each append raises it), so the
+       -- usual row, the next seq, needs no look into agent_step (8 percent of the statement).
+       AND (held.seq >= agent_run.next_seq
+            OR NOT EXISTS (SELECT 1 FROM agent_step s
+                            WHERE s.run_id = held.run_id AND s.seq = held.seq))
+    RETURNING id, held.epoch, held.seq, held.kind, held.payload, held.request_id
+), followed AS (
+    SELECT pg_notify('agentrun_run_steps', fence.id::text)
+      FROM fence
+     WHERE EXISTS (SELECT 1 FROM run_follower f WHERE f.run_id = fence.id AND f.until > now())
+)
+INSERT INTO agent_step (run_id, seq, kind, payload, request_id, lease_epoch, worker)
+SELECT fence.id, fence.seq, fence.kind, fence.payload, fence.request_id, fence.epoch, %(worker)s
+  FROM fence
+RETURNING run_id, created_at, (SELECT count(*) FROM followed) AS notified;
+
 -- pin_prompt_version --
 -- Invariant 3: the first worker to claim a run pins the tool definitions it resolved; later
 -- claims (another worker, a redeployed image with changed tools) reuse them. Fenced.

@@ -1,0 +1,378 @@
+"""Group commit (issue 17): the concurrent appends of one worker's runs go to PostgreSQL in one
+fenced statement, each row fenced on its own run, and each caller gets exactly what a lone append
+would have given it (agentrun/group_commit.py, queries.sql append_steps).
+
+The statements are counted at the driver: a wrapper around psycopg.AsyncCursor.execute records
+each one (as tests/test_operator_idle.py does)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import pytest
+
+from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled
+from agentrun.group_commit import AppendStats, GroupCommit
+from agentrun.manifests import AgentSpec
+from agentrun.sql import queries
+from agentrun.store import CHANNEL_RUN_STEPS, Lease, Store
+from agentrun.worker.health import WorkerMetrics
+from tests.test_store import expire_lease
+
+AGENT = AgentSpec(model="claude-sonnet-4-5", system="s")
+
+SINGLE, BATCH = queries["append_step"], queries["append_steps"]
+
+
+class Sent:
+    """The append statements sent, in order: "one" (append_step) or "batch" (append_steps),
+    with the task that sent each."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+        self.tasks: list[asyncio.Task[Any] | None] = []
+        #: Set by a test: run before append_steps is sent, with the cursor.
+        self.before_batch: Any = None
+
+    @property
+    def batches(self) -> int:
+        return self.kinds.count("batch")
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sent]:
+    record = Sent()
+    real = psycopg.AsyncCursor.execute
+
+    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query is SINGLE or query == SINGLE:
+            record.kinds.append("one")
+            record.tasks.append(asyncio.current_task())
+        elif query is BATCH or query == BATCH:
+            record.kinds.append("batch")
+            record.tasks.append(asyncio.current_task())
+            if record.before_batch is not None:
+                await record.before_batch(self)
+        return await real(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", execute)
+    yield record
+
+
+async def held_runs(store: Store, n: int, worker: str = "w1") -> list[Lease]:
+    pool = f"gc-{worker}-{n}"
+    for i in range(n):
+        await store.create_run(f"task {i}", AGENT, pool=pool)
+    claimed = (await store.claim(pool, worker, limit=n, ttl=10)).claimed  # < the append TTL
+    assert len(claimed) == n
+    return [lease for _, lease in claimed]
+
+
+async def append_all(
+    store: Store, leases: list[Lease], seqs: list[int] | None = None, **kw: Any
+) -> list[Any]:
+    """One concurrent append per lease; each one's result or exception."""
+    seqs = seqs if seqs is not None else [0] * len(leases)
+    return await asyncio.gather(
+        *(store.append_step(lease, seq, "model_turn", {"n": i}, input_tokens=10 + i, **kw)
+          for i, (lease, seq) in enumerate(zip(leases, seqs, strict=True))),
+        return_exceptions=True,
+    )
+
+
+async def run_row(url: str, run_id: UUID) -> dict[str, Any]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+        await cur.execute(
+            "SELECT next_seq, input_tokens, lease_until, updated_at FROM agent_run WHERE id = %s",
+            (run_id,),
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
+async def test_concurrent_appends_of_many_runs_become_two_statements(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    leases = await held_runs(store, 16)
+    before = [await run_row(database_url, lease.run_id) for lease in leases]
+    results = await append_all(store, leases)
+    assert not [r for r in results if isinstance(r, BaseException)]
+    # The first is sent at once, alone; the 15 that arrived while it was in flight go together.
+    assert sent.kinds == ["one", "batch"]
+    assert (store.append_stats.statements, store.append_stats.rows) == (2, 16)
+    assert store.append_stats.largest == 15
+    for i, (lease, old) in enumerate(zip(leases, before, strict=True)):
+        [step] = await store.steps(lease.run_id)
+        assert (step.seq, step.payload, step.worker, step.lease_epoch) == (
+            0, {"n": i}, "w1", lease.epoch)
+        new = await run_row(database_url, lease.run_id)
+        # Every side effect of the single append: the counter, the tokens, the lease, updated_at.
+        assert new["next_seq"] == 1 and new["input_tokens"] == 10 + i
+        assert new["lease_until"] > old["lease_until"]
+        assert new["updated_at"] > old["updated_at"]
+    # A later round with the seqs that follow: again one statement for those that waited.
+    results = await append_all(store, leases, [1] * 16)
+    assert not [r for r in results if isinstance(r, BaseException)]
+    assert sent.kinds == ["one", "batch", "one", "batch"]
+
+
+async def test_a_lone_append_is_one_statement_sent_at_once_by_its_caller(
+    store: Store, sent: Sent
+) -> None:
+    [lease] = await held_runs(store, 1)
+    await store.append_step(lease, 0, "model_turn", {"n": 0})
+    assert sent.kinds == ["one"]
+    assert sent.tasks == [asyncio.current_task()]  # no task, no timer, no queue in between
+    assert (store.append_stats.statements, store.append_stats.rows) == (1, 1)
+    await store.append_step(lease, 1, "model_turn", {"n": 1})
+    assert sent.kinds == ["one", "one"]
+
+
+async def test_a_zombie_row_gets_lease_lost_while_the_others_commit(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    leases = await held_runs(store, 6)
+    zombie = leases[3]
+    await expire_lease(database_url, zombie.run_id)
+    [(_, taken)] = (await store.claim(f"gc-w1-{len(leases)}", "w2", limit=1)).claimed
+    assert taken.run_id == zombie.run_id and taken.epoch > zombie.epoch
+    results = await append_all(store, leases)
+    assert sent.kinds == ["one", "batch"]
+    assert isinstance(results[3], LeaseLost)
+    assert "claimed again" in str(results[3])
+    for i, lease in enumerate(leases):
+        steps = await store.steps(lease.run_id)
+        assert len(steps) == (0 if i == 3 else 1)
+    # The zombie's row changed nothing on the run now held by w2.
+    assert (await run_row(database_url, zombie.run_id))["input_tokens"] == 0
+
+
+async def test_a_bumped_epoch_and_a_cancelled_run_each_get_their_own_error(
+    store: Store, sent: Sent
+) -> None:
+    leases = await held_runs(store, 5)
+    cancelled, stale = leases[1], leases[4]
+    await store.cancel(cancelled.run_id, "no longer needed")
+    # The same worker, an older epoch (it lost the run and claimed it again since).
+    old = Lease(stale.run_id, stale.worker, stale.epoch - 1)
+    results = await append_all(store, [*leases[:4], old])
+    assert sent.kinds == ["one", "batch"]
+    assert isinstance(results[1], RunCancelled)
+    assert isinstance(results[4], LeaseLost)
+    assert [isinstance(r, BaseException) for r in results] == [False, True, False, False, True]
+
+
+async def test_a_duplicate_row_fails_alone_and_changes_nothing(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    leases = await held_runs(store, 4)
+    dup, gap = leases[2], leases[3]
+    await store.append_step(dup, 0, "model_turn", {"first": True})
+    # A seq below next_seq that is not there (a gap) is no duplicate.
+    await store.append_step(gap, 5, "model_turn", {"n": 5})
+    before = await run_row(database_url, dup.run_id)
+    results = await append_all(store, leases, [0, 0, 0, 1])
+    assert sent.kinds == ["one", "one", "one", "batch"]
+    assert isinstance(results[2], DuplicateStep)
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
+    assert [s.payload for s in await store.steps(dup.run_id)] == [{"first": True}]
+    assert [s.seq for s in await store.steps(gap.run_id)] == [1, 5]
+    after = await run_row(database_url, dup.run_id)
+    # Like the single append's duplicate (rolled back): no tokens, no renewal.
+    assert after["input_tokens"] == before["input_tokens"] == 0
+    assert after["lease_until"] == before["lease_until"]
+    assert store.append_stats.fallbacks == 0
+
+
+async def test_a_row_the_database_refuses_fails_only_its_own_caller(
+    store: Store, sent: Sent
+) -> None:
+    leases = await held_runs(store, 4)
+    # What the single path raises for the same row.
+    with pytest.raises(psycopg.errors.CheckViolation):
+        await store.append_step(leases[0], 7, "bogus", {})  # type: ignore[arg-type]
+    sent.kinds.clear()
+
+    async def one(i: int, lease: Lease) -> Any:
+        kind: Any = "bogus" if i == 2 else "note"
+        return await store.append_step(lease, 0, kind, {"n": i})
+
+    results = await asyncio.gather(*(one(i, lease) for i, lease in enumerate(leases)),
+                                   return_exceptions=True)
+    assert sent.kinds[:2] == ["one", "batch"]
+    assert isinstance(results[2], psycopg.errors.CheckViolation)
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
+    assert store.append_stats.fallbacks == 1
+    for i, lease in enumerate(leases):
+        assert len(await store.steps(lease.run_id)) == (0 if i == 2 else 1)
+
+
+async def test_odd_strings_in_a_batch_round_trip(store: Store, sent: Sent) -> None:
+    leases = await held_runs(store, 4)
+    odd = ["x\x00y", "\ud800", "\uffff0", "plain"]
+
+    async def one(i: int, lease: Lease) -> Any:
+        return await store.append_step(lease, 0, "tool_result", {odd[i]: [odd[i]]},
+                                       request_id=odd[i] if i % 2 else None)
+
+    results = await asyncio.gather(*(one(i, lease) for i, lease in enumerate(leases)),
+                                   return_exceptions=True)
+    assert not [r for r in results if isinstance(r, BaseException)]
+    assert sent.kinds == ["one", "batch"]
+    for i, lease in enumerate(leases):
+        [step] = await store.steps(lease.run_id)
+        assert step.payload == {odd[i]: [odd[i]]}
+        assert step.request_id == (odd[i] if i % 2 else None)
+
+
+async def test_a_connection_lost_mid_batch_fails_every_caller_and_applies_nothing(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    leases = await held_runs(store, 5)
+
+    async def kill(cur: Any) -> None:
+        pid = cur.connection.info.backend_pid
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await asyncio.sleep(0.2)
+
+    sent.before_batch = kill
+    results = await append_all(store, leases)
+    assert sent.kinds == ["one", "batch"]
+    assert not isinstance(results[0], BaseException)
+    errors = results[1:]
+    assert all(isinstance(e, psycopg.OperationalError) for e in errors), errors
+    assert len({type(e) for e in errors}) == 1
+    for lease in leases[1:]:
+        assert await store.steps(lease.run_id) == []
+        assert (await run_row(database_url, lease.run_id))["input_tokens"] == 0
+
+    # The single path's error for the same loss.
+    async def kill_one(cur: Any) -> None:
+        await kill(cur)
+
+    real_execute = psycopg.AsyncCursor.execute
+
+    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == SINGLE:
+            await kill_one(self)
+        return await real_execute(self, query, *args, **kwargs)
+
+    single = Store(store.pool, store.url, group_commit=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(psycopg.AsyncCursor, "execute", execute)
+        with pytest.raises(psycopg.OperationalError) as lone:
+            await single.append_step(leases[1], 0, "model_turn", {})
+    assert type(lone.value) is type(errors[0])
+    # The callers retry (the worker does) on a fresh connection: it works.
+    sent.before_batch = None
+    assert not [r for r in await append_all(store, leases[1:]) if isinstance(r, BaseException)]
+
+
+async def test_without_group_commit_each_append_is_its_own_statement(
+    store: Store, sent: Sent
+) -> None:
+    single = Store(store.pool, store.url, group_commit=False)
+    leases = await held_runs(single, 8)
+    results = await append_all(single, leases)
+    assert not [r for r in results if isinstance(r, BaseException)]
+    assert sent.kinds == ["one"] * 8
+    assert (single.append_stats.statements, single.append_stats.rows) == (8, 8)
+
+
+async def test_appends_of_two_runs_of_one_caller_and_two_workers_never_share_a_row(
+    store: Store, sent: Sent
+) -> None:
+    """Two appends of one run (seq 0 and 1) and another worker's runs in one burst: each lands,
+    the same run's in separate statements, each worker's under its own fence."""
+    mine = await held_runs(store, 3, "w1")
+    theirs = await held_runs(store, 3, "w2")
+    results = await asyncio.gather(
+        store.append_step(mine[0], 0, "note", {}),
+        *(store.append_step(lease, 0, "note", {}) for lease in [*mine, *theirs][1:]),
+        store.append_step(mine[1], 1, "note", {}),
+        return_exceptions=True,
+    )
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert sent.batches >= 2
+    for lease in [*mine, *theirs]:
+        want = 2 if lease is mine[1] else 1
+        assert len(await store.steps(lease.run_id)) == want
+
+
+async def test_a_followed_run_in_a_batch_is_notified_and_the_others_are_not(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    leases = await held_runs(store, 4)
+    followed = leases[2]
+    await store.follow_run(followed.run_id, "t")
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(f"LISTEN {CHANNEL_RUN_STEPS}")
+        results = await append_all(store, leases)
+        assert not [r for r in results if isinstance(r, BaseException)]
+        assert sent.kinds == ["one", "batch"]
+        heard = [n.payload async for n in conn.notifies(timeout=1.0)]
+    assert heard == [str(followed.run_id)]
+
+
+async def test_a_caller_cancelled_while_queued_is_not_sent(store: Store, sent: Sent) -> None:
+    leases = await held_runs(store, 4)
+    tasks = [asyncio.create_task(store.append_step(lease, 0, "note", {})) for lease in leases]
+    await asyncio.sleep(0)  # all four submitted: the first in flight, three queued
+    tasks[2].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False]
+    assert sent.kinds == ["one", "batch"] and store.append_stats.rows == 3
+    assert await store.steps(leases[2].run_id) == []
+
+
+async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
+    """The batcher alone, with a fake statement: at most max_batch items, one per slot, the
+    first waiting item's group first; the others keep their turn."""
+    sent_batches: list[list[tuple[str, int]]] = []
+    sessions: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def session() -> AsyncIterator[int]:
+        sessions.append(len(sessions))
+        yield sessions[-1]
+
+    async def send(items: Sequence[tuple[str, int]], session: int) -> list[int | Exception]:
+        sent_batches.append(list(items))
+        await asyncio.sleep(0.01)
+        return [n for _, n in items]
+
+    batcher: GroupCommit[tuple[str, int], int, int] = GroupCommit(
+        send, session, lambda item: (item[0], item[1] % 5), max_batch=3)
+    items = [("a", n) for n in range(8)] + [("b", 8), ("a", 10)]
+    got = await asyncio.gather(*(batcher.submit(item) for item in items))
+    assert got == [n for _, n in items]
+    assert sent_batches == [
+        [("a", 0)],
+        [("a", 1), ("a", 2), ("a", 3)],
+        [("a", 4), ("a", 5), ("a", 6)],  # ("a", 5) is slot 0 again, but ("a", 0) went already
+        [("a", 7), ("a", 10)],  # ("a", 10): slot 0, its own run's earlier item is long gone
+        [("b", 8)],
+    ]
+    assert batcher.queued == 0
+    # The lone first on a session of its own; the four batches that followed it on one.
+    assert sessions == [0, 1]
+
+
+def test_the_worker_exports_the_append_counters() -> None:
+    stats = AppendStats()
+    metrics = WorkerMetrics()
+    metrics.watch_appends(stats)
+    stats.count(1)
+    stats.count(15)
+    sample = metrics.registry.get_sample_value
+    assert sample("agentrun_append_statements_total") == 2
+    assert sample("agentrun_append_rows_total") == 16
