@@ -56,11 +56,13 @@ async def held_store(url: str, *, lose: bool = False) -> HeldCommitStore:
     return store
 
 
-def executor(store: Store, base_url: str, *, overlap: bool = True) -> RunExecutor:
+def executor(store: Store, base_url: str, *, overlap: bool = True,
+             draining: list[bool] | None = None) -> RunExecutor:
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="test", max_retries=0)
     metrics = WorkerMetrics()
+    flag = draining if draining is not None else [False]
     return RunExecutor(store, Providers(default=client), TOOLS, metrics, Health(60, metrics),
-                       RetryPolicy(max_retries=0), is_draining=lambda: False, overlap=overlap)
+                       RetryPolicy(max_retries=0), is_draining=lambda: flag[0], overlap=overlap)
 
 
 async def claim(store: Store, task: str) -> RunHandle:
@@ -136,6 +138,30 @@ async def test_a_results_commit_that_loses_the_lease_cancels_the_call_and_commit
                        "the in-flight call dropped")
         assert [s.seq for s in await store.steps(h.run.id)] == [0]
         assert not [t for t in asyncio.all_tasks() if "commit seq" in t.get_name()]
+    finally:
+        await store.close()
+
+
+async def test_a_drain_heard_during_the_commit_hands_over_at_the_commit_boundary(
+    database_url: str, fake: FakeFactory
+) -> None:
+    srv = fake(echo_scenario(3, slow={1: 100}, long_text={1: 20}))
+    store = await held_store(database_url)
+    draining = [False]
+    try:
+        h = await claim(store, "echo three times")
+        advancing = asyncio.create_task(
+            executor(store, srv.base_url, draining=draining).advance(h))
+        await asyncio.wait_for(store.held.wait(), 10)
+        await wait_for(lambda: 1 in turns_asked(srv), 10, "turn 1 asked during the commit")
+        draining[0] = True  # SIGTERM while the results are on their way
+        assert not h.in_model_call  # so the worker's drain does not abort the commit
+        store.proceed.set()
+        assert await asyncio.wait_for(advancing, 10) == "drain"
+        # The results landed, the call was dropped unheard, no turn committed past them.
+        assert [s.kind for s in await store.steps(h.run.id)] == ["model_turn", "tool_result"]
+        await wait_for(lambda: any(e.get("disconnected") for e in srv.requests()), 10,
+                       "the in-flight call dropped")
     finally:
         await store.close()
 
