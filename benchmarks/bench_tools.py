@@ -25,19 +25,19 @@ ODD_PAYLOADS: dict[str, str] = {
 }
 
 
-@tool(kind="pure")
+@tool(kind="pure", inline=True)  # returns at once: no thread hop
 def echo(ctx: ToolContext, text: str) -> str:
     """Echo the text back."""
     return text
 
 
-@tool(kind="pure")
+@tool(kind="pure", inline=True)  # returns at once: no thread hop
 def odd(ctx: ToolContext, kind: str) -> str:
     """Return the soak's odd payload of that kind."""
     return ODD_PAYLOADS[kind]
 
 
-@tool(kind="pure")
+@tool(kind="pure", inline=True)  # returns at once: no thread hop
 def odd_echo(ctx: ToolContext, text: str) -> str:
     """Echo the text back (the model's odd text, round-tripped through a tool)."""
     return text

@@ -1,12 +1,17 @@
 """Worker benchmark: the cost of durability per step, resume latency and cancel latency.
 
-    python -m benchmarks.worker_bench [--turns 30] [--repeat 3] [--admin-url URL] [--json FILE]
+    python -m benchmarks.worker_bench [--turns 30] [--rounds 20] [--per-step-only] [--json FILE]
 
-1. Per-step time with a zero-latency scripted model (agentrun fake-anthropic, in a process of its
-   own): the seed's plain in-memory loop (messages in a Python list) next to agentrun's durable
-   loop (RunExecutor: rebuild from the log, commit each turn and each tool result, fenced). Same
-   SDK streaming call, same tools, same server, same process; the difference is the cost of
-   durability. Goal: under 2 ms a step.
+1. Per-turn time with a zero-latency scripted model (agentrun fake-anthropic, in a process of its
+   own): an in-memory loop (messages in a Python list) next to agentrun's durable loop
+   (RunExecutor: rebuild from the log, commit each turn and each tool result, fenced). Fair: both
+   call the model with the worker's call_model and the tools through the same path (the
+   registry's validation and invocation, a thread hop unless the tool is inline), so the
+   difference is durability alone. Paired rounds, interleaved (in-memory, durable, ...): the
+   overhead is durable minus in-memory within each round, printed as median and p10-p90. The same
+   rounds time each lever off vs on (overlap of the results' commit with the next model call;
+   inline tools) and the old, unfair figure (the seed's loop: SDK stream helper, tool called
+   directly, against the durable loop before both levers). Goal: <= 1.0 ms per turn.
 2. Resume latency: a worker process is SIGKILLed (another resumes after the lease expires; goal:
    lease TTL + under 1 s) or SIGTERMed (it releases; goal: under 1 s).
 3. Cancel latency: a worker process is in the middle of a slow streamed model call when
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -41,12 +47,13 @@ import yaml
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
-from agentrun.store import Store
-from agentrun.tools import default_registry, make_context
+from agentrun.store import PromptVersion, Store
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry, default_registry, make_context
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.model_call import RetryPolicy, build_request
+from agentrun.worker.model_call import build_request, call_model
 from agentrun.worker.providers import Providers
+from agentrun.worker.settings import RetryPolicy
 from benchmarks.bench_tools import echo
 from benchmarks.throwaway_db import throwaway_database
 
@@ -72,10 +79,73 @@ def scenario(turns: int, delay_ms: int = 0, thinking: bool = True) -> dict[str, 
 
 
 AGENT = AgentSpec(model="bench-model", system="bench", tools=["echo"], maxTokens=1024)
+NO_RETRY = RetryPolicy(max_retries=0)
 
 
-async def in_memory_loop(client: anthropic.AsyncAnthropic, task: str) -> int:
-    """The seed's loop, verbatim in spirit: the conversation lives in a list in this process."""
+def registry_for(inline: bool) -> ToolRegistry:
+    """The bench tools with echo called inline (on the loop) or in a thread of its own."""
+    out = ToolRegistry()
+    for spec in REGISTRY:
+        out.register(dataclasses.replace(spec, inline=inline) if spec.name == "echo" else spec)
+    return out
+
+
+def prompt_for_agent(registry: ToolRegistry = REGISTRY) -> PromptVersion:
+    return PromptVersion(
+        model=AGENT.model,
+        system=AGENT.system,
+        tools=registry.definitions(["echo"]),
+        params={"max_tokens": 1024},
+    )
+
+
+async def tool_path(
+    registry: ToolRegistry, run_id: str, seq: int, index: int, block: dict[str, Any]
+) -> dict[str, Any]:
+    """One call as RunExecutor.call_tool makes it, less what is durability: the grant check, the
+    registry's validation and invocation (a thread hop unless inline), the bounded wait and the
+    tool_result block; not the fenced mark (begin_tool_call) nor an effect record."""
+    name, args = block["name"], block.get("input") or {}
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
+    if name not in AGENT.tools:
+        return {**result, "is_error": True, "content": f"tool {name!r} is not available"}
+    spec = registry.get(name)
+    ctx = make_context(run_id, seq, index, name, args)
+    call = asyncio.ensure_future(spec.invoke(ctx, args))
+    done, _ = await asyncio.wait({call}, timeout=spec.timeout or DEFAULT_TOOL_TIMEOUT)
+    if not done:
+        call.cancel()
+        raise TimeoutError(name)
+    outcome = call.result()
+    if outcome.is_error:
+        return {**result, "content": outcome.content, "is_error": True}
+    return {**result, "content": outcome.content}
+
+
+async def in_memory_loop(
+    client: anthropic.AsyncAnthropic, task: str, registry: ToolRegistry
+) -> int:
+    """The durable loop minus durability: the conversation lives in a list in this process, but
+    the model is called and the tools are called exactly as RunExecutor calls them."""
+    pv = prompt_for_agent(registry)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    turns = 0
+    while True:
+        turn = await call_model(client, build_request(pv, messages), policy=NO_RETRY)
+        turns += 1
+        content = turn.payload["content"]
+        messages.append({"role": "assistant", "content": content})
+        if turn.stop_reason != "tool_use":
+            return turns
+        calls = [b for b in content if b.get("type") == "tool_use"]
+        results = [await tool_path(registry, "mem", 2 * turns - 2, i, b)
+                   for i, b in enumerate(calls)]
+        messages.append({"role": "user", "content": results})
+
+
+async def seed_loop(client: anthropic.AsyncAnthropic, task: str) -> int:
+    """The seed's loop (the old, unfair baseline): the SDK's own stream helper, and the tool
+    function called directly, with no validation and no thread hop."""
     pv = prompt_for_agent()
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     turns = 0
@@ -96,17 +166,6 @@ async def in_memory_loop(client: anthropic.AsyncAnthropic, task: str) -> int:
         messages.append({"role": "user", "content": results})
 
 
-def prompt_for_agent() -> Any:
-    from agentrun.store import PromptVersion
-
-    return PromptVersion(
-        model=AGENT.model,
-        system=AGENT.system,
-        tools=REGISTRY.definitions(["echo"]),
-        params={"max_tokens": 1024},
-    )
-
-
 async def durable_loop(store: Store, executor: RunExecutor, task: str) -> int:
     run, _ = await store.create_run(task, AGENT, pool="bench")
     ((claimed, lease),) = (await store.claim("bench", "bench-worker", 1, ttl=60)).claimed
@@ -114,41 +173,84 @@ async def durable_loop(store: Store, executor: RunExecutor, task: str) -> int:
     return sum(1 for s in await store.steps(run.id) if s.kind == "model_turn")
 
 
-async def per_step(url: str, base_url: str, turns: int, repeat: int) -> dict[str, float]:
+def spread(samples: list[float]) -> dict[str, float]:
+    """Median and p10-p90 of paired differences (ms per turn)."""
+    if len(samples) < 2:
+        return {"median": samples[0], "p10": samples[0], "p90": samples[0]}
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return {"median": statistics.median(samples), "p10": deciles[0], "p90": deciles[-1]}
+
+
+#: Each round runs these in this order: an in-memory loop, then a durable loop, and so on, each
+#: durable variant next to the in-memory one it is compared with.
+LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "seed", "dur_old")
+
+
+async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="bench", max_retries=0)
     store = await Store.open(url, max_size=4)
     metrics = WorkerMetrics()
-    executor = RunExecutor(
-        store,
-        Providers(default=client),
-        REGISTRY,
-        metrics,
-        Health(60, metrics),
-        RetryPolicy(),
-        is_draining=lambda: False,
-    )
-    mem: list[float] = []
-    dur: list[float] = []
+    inline, thread = registry_for(True), registry_for(False)
+
+    def executor(registry: ToolRegistry, overlap: bool) -> RunExecutor:
+        return RunExecutor(store, Providers(default=client), registry, metrics,
+                           Health(60, metrics), NO_RETRY, is_draining=lambda: False,
+                           overlap=overlap)
+
+    durable = {
+        "dur": executor(inline, True),
+        "dur_thread": executor(thread, True),
+        "dur_no_overlap": executor(inline, False),
+        "dur_old": executor(thread, False),  # before overlap and inline tools
+    }
+
+    async def one(name: str) -> float:
+        t0 = time.perf_counter()
+        if name == "seed":
+            n = await seed_loop(client, "seed")
+        elif name.startswith("mem"):
+            n = await in_memory_loop(client, "in memory", thread if "thread" in name else inline)
+        else:
+            n = await durable_loop(store, durable[name], name)
+        return (time.perf_counter() - t0) * 1000 / n
+
+    ms: dict[str, list[float]] = {name: [] for name in LOOPS}
     try:
-        await in_memory_loop(client, "warm up")
-        await durable_loop(store, executor, "warm up")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            n = await in_memory_loop(client, "in memory")
-            mem.append((time.perf_counter() - t0) * 1000 / n)
-            t0 = time.perf_counter()
-            n = await durable_loop(store, executor, "durable")
-            dur.append((time.perf_counter() - t0) * 1000 / n)
+        for name in LOOPS:  # warm up every path (imports, connections, the server's caches)
+            await one(name)
+        for _ in range(rounds):
+            for name in LOOPS:
+                ms[name].append(await one(name))
     finally:
         await store.close()
         await client.close()
-    m, d = statistics.median(mem), statistics.median(dur)
-    return {
-        "in_memory_ms_per_step": m,
-        "durable_ms_per_step": d,
-        "cost_ms_per_step": d - m,
-        "ratio": d / m,
+
+    def paired(a: str, b: str) -> dict[str, float]:
+        return spread([x - y for x, y in zip(ms[a], ms[b], strict=True)])
+
+    cost = paired("dur", "mem")
+    out: dict[str, Any] = {
+        "in_memory_ms_per_step": statistics.median(ms["mem"]),
+        "durable_ms_per_step": statistics.median(ms["dur"]),
+        "cost_ms_per_step": cost["median"],
+        "cost_p10_ms": cost["p10"],
+        "cost_p90_ms": cost["p90"],
+        "ratio": statistics.median(ms["dur"]) / statistics.median(ms["mem"]),
     }
+    # What each lever saves per turn (off minus on, paired by round), and the old figure: the
+    # durable loop before both levers against the seed's loop.
+    for key, (a, b) in {
+        "overlap_saves": ("dur_no_overlap", "dur"),
+        "inline_saves_durable": ("dur_thread", "dur"),
+        "inline_saves_in_memory": ("mem_thread", "mem"),
+        "thread_cost": ("dur_thread", "mem_thread"),
+        "unfair_cost": ("dur_old", "seed"),
+    }.items():
+        d = paired(a, b)
+        out.update({f"{key}_ms": d["median"], f"{key}_p10_ms": d["p10"],
+                    f"{key}_p90_ms": d["p90"]})
+    out["ms_per_turn"] = {name: statistics.median(v) for name, v in ms.items()}
+    return out
 
 
 def spawn_worker(
@@ -427,29 +529,30 @@ def scenario_file(directory: Path, name: str, data: dict[str, Any]) -> Path:
 
 
 async def per_step_bench(
-    url: str, turns: int = 30, repeat: int = 3, progress: Progress = _quiet
-) -> dict[str, float]:
-    """Durable vs in-memory ms per step, with and without thinking blocks."""
+    url: str, turns: int = 30, rounds: int = 20, progress: Progress = _quiet
+) -> dict[str, Any]:
+    """Durable vs in-memory ms per model turn in paired rounds, with and without thinking
+    blocks, and each lever (overlap, inline tools) off vs on in the same rounds."""
     tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-"))
     # The scripted model runs in a process of its own, as a real provider would: in this
     # process its thread would compete with the loop under test for the GIL.
     with fake_server(scenario_file(tmp, "fast", scenario(turns))) as fast:
-        steps = await per_step(url, fast, turns, repeat)
-    progress(
-        f"per step: in-memory {steps['in_memory_ms_per_step']:.2f} ms, "
-        f"durable {steps['durable_ms_per_step']:.2f} ms"
-    )
+        steps = await per_step(url, fast, turns, rounds)
+    progress(f"per turn: durable over in-memory {_pm(steps, 'cost')} ms")
     # Without thinking blocks the scripted server checks no signatures, so it burns far less CPU
     # beside PostgreSQL on a small machine: a cleaner view of our own cost.
     with fake_server(scenario_file(tmp, "plain", scenario(turns, thinking=False))) as plain:
-        plain_steps = await per_step(url, plain, turns, repeat)
+        plain_steps = await per_step(url, plain, turns, rounds)
     steps.update({f"plain_{k}": v for k, v in plain_steps.items()})
-    steps.update(turns=turns, repeat=repeat)
-    progress(
-        f"per step without thinking: in-memory {plain_steps['in_memory_ms_per_step']:.2f} ms, "
-        f"durable {plain_steps['durable_ms_per_step']:.2f} ms"
-    )
+    steps.update(turns=turns, rounds=rounds, repeat=rounds)
+    progress(f"per turn without thinking: {_pm(plain_steps, 'cost')} ms")
     return steps
+
+
+def _pm(r: dict[str, Any], key: str) -> str:
+    """"median (p10 to p90)" of a paired figure."""
+    name = "cost_ms_per_step" if key == "cost" else f"{key}_ms"
+    return f"{r[name]:.2f} (p10 {r[f'{key}_p10_ms']:.2f} to p90 {r[f'{key}_p90_ms']:.2f})"
 
 
 async def resume_bench(
@@ -468,8 +571,9 @@ async def cancel_bench(url: str, repeat: int = 3, progress: Progress = _quiet) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--turns", type=int, default=30)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=20, help="paired rounds (default 20)")
     ap.add_argument("--lease-ttl", type=float, default=5.0)
+    ap.add_argument("--per-step-only", action="store_true", help="skip resume and cancel")
     ap.add_argument("--admin-url")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
@@ -477,38 +581,43 @@ def main() -> int:
 
         async def run() -> dict[str, Any]:
             out: dict[str, Any] = {}
-            out.update(await per_step_bench(url, args.turns, args.repeat))
-            out.update(await resume_bench(url, args.lease_ttl))
-            out.update(await cancel_bench(url))
+            out.update(await per_step_bench(url, args.turns, args.rounds))
+            if not args.per_step_only:
+                out.update(await resume_bench(url, args.lease_ttl))
+                out.update(await cancel_bench(url))
             return out
 
         r = asyncio.run(run())
     print(
         f"worker benchmark: {os.cpu_count()} cores, python {sys.version.split()[0]}, "
-        f"{args.turns} turns x {args.repeat} runs, zero-latency scripted model"
+        f"{args.turns} turns x {args.rounds} paired rounds, zero-latency scripted model"
     )
-    print(f"  in-memory loop (the seed's)   {r['in_memory_ms_per_step']:7.2f} ms/step")
-    print(f"  durable loop (agentrun)       {r['durable_ms_per_step']:7.2f} ms/step")
-    print(
-        f"  cost of durability            {r['cost_ms_per_step']:7.2f} ms/step "
-        f"(ratio {r['ratio']:.2f}x; goal < 2 ms)"
-    )
-    print(
-        f"  without thinking blocks: in-memory {r['plain_in_memory_ms_per_step']:.2f}, "
-        f"durable {r['plain_durable_ms_per_step']:.2f}, cost "
-        f"{r['plain_cost_ms_per_step']:.2f} ms/step (ratio {r['plain_ratio']:.2f}x)"
-    )
-    print(
-        f"  resume after SIGKILL          {r['sigkill_resume_s']:7.2f} s "
-        f"(lease TTL {r['lease_ttl_s']:.0f} s; goal TTL + < 1 s)"
-    )
-    if "sigkill_after_lease_expiry_s" in r:
-        print(f"    of which after lease expiry {r['sigkill_after_lease_expiry_s']:7.2f} s")
-    print(f"  resume after SIGTERM          {r['sigterm_resume_s']:7.2f} s (goal < 1 s)")
-    print(
-        f"  cancel to aborted model call  {r['cancel_to_stream_aborted_s'] * 1000:7.0f} ms; "
-        f"worker let go after {r['cancel_to_run_released_s'] * 1000:.0f} ms (goal < 1 s)"
-    )
+    for label, p in (("with thinking blocks", ""), ("without thinking blocks", "plain_")):
+        q = {k[len(p):]: v for k, v in r.items() if k.startswith(p)}
+        print(f"  {label}:")
+        print(f"    in-memory loop (same model call and tools) {q['in_memory_ms_per_step']:6.2f} "
+              "ms/turn")
+        print(f"    durable loop (agentrun)                    {q['durable_ms_per_step']:6.2f} "
+              "ms/turn")
+        print(f"    durable overhead per turn  {_pm(q, 'cost')} ms, ratio {q['ratio']:.2f}x "
+              "(goal <= 1.0 ms)")
+        print(f"    overlap saves              {_pm(q, 'overlap_saves')} ms/turn")
+        print(f"    inline tools save          {_pm(q, 'inline_saves_durable')} ms/turn durable, "
+              f"{q['inline_saves_in_memory_ms']:.2f} in-memory")
+        print(f"    overhead with threaded tools {_pm(q, 'thread_cost')} ms/turn")
+        print(f"    old unfair figure (seed loop, no levers) {_pm(q, 'unfair_cost')} ms/turn")
+    if "sigkill_resume_s" in r:
+        print(
+            f"  resume after SIGKILL          {r['sigkill_resume_s']:7.2f} s "
+            f"(lease TTL {r['lease_ttl_s']:.0f} s; goal TTL + < 1 s)"
+        )
+        if "sigkill_after_lease_expiry_s" in r:
+            print(f"    of which after lease expiry {r['sigkill_after_lease_expiry_s']:7.2f} s")
+        print(f"  resume after SIGTERM          {r['sigterm_resume_s']:7.2f} s (goal < 1 s)")
+        print(
+            f"  cancel to aborted model call  {r['cancel_to_stream_aborted_s'] * 1000:7.0f} ms; "
+            f"worker let go after {r['cancel_to_run_released_s'] * 1000:.0f} ms (goal < 1 s)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

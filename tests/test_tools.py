@@ -634,3 +634,62 @@ def test_a_timeout_must_be_a_positive_number(reg: ToolRegistry, bad: Any) -> Non
     with pytest.raises(ToolDefinitionError, match="timeout must be a positive number of seconds"):
         spec_of(reg, slow, timeout=bad)
     assert spec_of(reg, slow, timeout=2).timeout == 2.0
+
+
+# -------------------------------------------------------------------------------------- inline
+
+
+async def test_an_inline_tool_runs_on_the_loops_thread_and_a_plain_one_does_not(
+    reg: ToolRegistry,
+) -> None:
+    seen: dict[str, int] = {}
+
+    def here(ctx: ToolContext) -> str:
+        seen["inline"] = threading.get_ident()
+        return "here"
+
+    def there(ctx: ToolContext) -> str:
+        seen["thread"] = threading.get_ident()
+        return "there"
+
+    inline, plain = spec_of(reg, here, inline=True), spec_of(reg, there)
+    assert inline.inline and not plain.inline
+    assert (await inline.invoke(ctx_for("here"), {})).content == "here"
+    assert (await plain.invoke(ctx_for("there"), {})).content == "there"
+    loop_thread = threading.get_ident()  # the thread this test's event loop runs on
+    assert seen["inline"] == loop_thread
+    assert seen["thread"] != loop_thread
+
+
+async def test_an_inline_tool_fails_as_a_threaded_one_does(reg: ToolRegistry) -> None:
+    def picky(ctx: ToolContext, n: int) -> str:
+        if n < 0:
+            raise ToolError("n must not be negative")
+        if n == 0:
+            raise SystemExit(3)
+        return str(n)
+
+    spec = spec_of(reg, picky, inline=True)
+    assert (await spec.invoke(ctx_for("picky"), {"n": "x"})).is_error  # validated first
+    assert await spec.invoke(ctx_for("picky"), {"n": -1}) == ToolOutcome(
+        "n must not be negative", is_error=True)
+    with pytest.raises(tools.ToolCrashed):  # contained, never the end of the worker
+        await spec.invoke(ctx_for("picky"), {"n": 0})
+    assert (await spec.invoke(ctx_for("picky"), {"n": 2})).content == "2"
+
+
+def test_inline_is_refused_where_it_cannot_help(reg: ToolRegistry) -> None:
+    async def fetch(ctx: ToolContext) -> str:
+        return ""
+
+    def send(ctx: ToolContext) -> str:
+        return ""
+
+    with pytest.raises(ToolDefinitionError, match="inline=True is for sync tools"):
+        spec_of(reg, fetch, inline=True)
+    for kind in ("non_idempotent", "irreversible"):
+        with pytest.raises(ToolDefinitionError, match="pure and idempotent tools"):
+            spec_of(reg, send, kind=kind, inline=True)
+    with pytest.raises(ToolDefinitionError, match="without a compensation"):
+        spec_of(reg, send, kind="idempotent", compensate="unsend", inline=True)
+    assert spec_of(reg, send, kind="idempotent", inline=True).inline

@@ -67,9 +67,10 @@ async def test_sigkill_between_steps_and_mid_stream_resumes_without_repeating(
     ]
     assert len(texts) == len(set(texts)) == 6
     # Every resumed request passed the signature check; turn 4 was asked twice (once killed).
+    # Turn 3 once or twice: w1's request for it overlaps the commit of seq 5, after which w1 died.
     assert set(statuses(srv)) == {200}
     turns = [e["turn"] for e in srv.requests()]
-    assert turns.count(4) == 2 and turns.count(3) == 1
+    assert turns.count(4) == 2 and turns.count(3) in (1, 2) and turns.count(2) == 1
     assert (await store.get_run(run.id)).attempt == 3
 
 

@@ -9,12 +9,16 @@ Order of a step (invariant 1): call the model -> commit the turn -> run its tool
 results as one step -> next model call. A resume finds the log in one of three states and carries
 on from there: empty or ending in tool results (call the model), ending in a tool_use turn (run its
 tools), ending in a final turn (finish the run).
+
+Overlap (``RunExecutor.overlap``, on by default): the results' commit and the next model call start
+together, and the turn is committed only once that commit has landed, so the log's order, and what a
+resume finds, are unchanged. A commit that fails cancels the call and its error is raised as
+before; a crash in between leaves the results committed (or not) and the turn is asked again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import importlib
 import logging
@@ -119,6 +123,40 @@ class RunHandle:
             self.task.cancel()
 
 
+class _MidStream:
+    """The mid_model_stream crash point of an overlapped call: it fires at the first event, or,
+    if that came before the previous results' commit landed, once it has, so the state a crash
+    there leaves is the one it always left (those results committed, the turn not)."""
+
+    def __init__(self, seq: int, commit: asyncio.Task[None] | None) -> None:
+        self.seq = seq
+        self.landed = commit is None
+        self.early = False
+
+    def first_event(self) -> None:
+        if self.landed:
+            crash_point("mid_model_stream", self.seq)
+        else:
+            self.early = True
+
+    def committed(self) -> None:
+        self.landed = True
+        if self.early:
+            crash_point("mid_model_stream", self.seq)
+
+
+async def _settle(call: asyncio.Future[Any]) -> None:
+    """Cancel a model call nobody will use and wait for it to let go of its connection."""
+    if call.done():
+        if not call.cancelled():
+            call.exception()  # retrieved: a call whose commit failed may have failed too
+        return
+    call.cancel()
+    await asyncio.wait({call})
+    if not call.cancelled():
+        call.exception()
+
+
 def rebuild_messages(task: str, steps: list[Step]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     for step in steps:
@@ -178,6 +216,9 @@ class RunExecutor:
     tool_timeout: float = DEFAULT_TOOL_TIMEOUT  # for tools that declare no timeout of their own
     prices: PriceTable = BUILT_IN
     tracing: RunTracer = field(default_factory=RunTracer)  # no provider: no spans
+    #: Overlap each tool_result commit with the next model call (the turn is still committed
+    #: only after those results): False is the escape hatch, and the benchmark's "off".
+    overlap: bool = True
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
@@ -262,6 +303,8 @@ class RunExecutor:
             return None
         # The run's provider's client; its spans carry the run id.
         client = self.tracing.client_for(await self.client_for(h), h.run_id)
+        # The tool results' commit while it is in flight beside the next model call (overlap).
+        pending: asyncio.Task[None] | None = None
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
@@ -274,46 +317,62 @@ class RunExecutor:
                     started = time.perf_counter()
                     content = await self.run_tools(h, seq - 1, last[1])
                     payload = {"content": content}
-                    await self._append(h, seq, "tool_result", payload, started=started)
-                    crash_point("after_tool_result_commit", seq)
+                    results = self._commit_results(h, seq, payload, started)
                     messages.append({"role": "user", "content": content})
                     last, seq = ("tool_result", payload), seq + 1
-                    continue
-                if stop in ("end_turn", "stop_sequence"):
+                    if not self.overlap or self.is_draining() or h.rollback_requested:
+                        await results  # no next call to overlap with (or overlap is off)
+                        continue
+                    pending = asyncio.create_task(results, name=f"commit seq {seq - 1}")
+                elif stop in ("end_turn", "stop_sequence"):
                     await self.store.finish(h.lease, "succeeded", result=final_text(last[1]))
                     self.metrics.runs_finished.labels("succeeded").inc()
                     log.info("succeeded after %d steps", seq)
                     return None
-                if stop == "max_tokens":
+                elif stop == "max_tokens":
                     raise RunFailed(
                         f"model stopped at max_tokens ({pv.params.get('max_tokens')}) at seq "
                         f"{seq - 1}; raise spec.maxTokens"
                     )
-                if stop != "pause_turn":
+                elif stop != "pause_turn":
                     raise RunFailed(f"model stopped with stop_reason {stop!r} at seq {seq - 1}")
-            if turns >= run.max_steps:
-                raise RunFailed(f"maxSteps {run.max_steps} reached without a final answer")
-            caching = bool(pv.params.get("prompt_caching"))
-            if (over := over_budget(budget, spend, pv.model, self.prices, caching)) is not None:
-                self.metrics.budget_stops.labels(over[0]).inc()
-                raise RunFailed(over[1])
+            try:
+                if turns >= run.max_steps:
+                    raise RunFailed(f"maxSteps {run.max_steps} reached without a final answer")
+                caching = bool(pv.params.get("prompt_caching"))
+                over = over_budget(budget, spend, pv.model, self.prices, caching)
+                if over is not None:
+                    self.metrics.budget_stops.labels(over[0]).inc()
+                    raise RunFailed(over[1])
+            except RunFailed:
+                if pending is not None:  # the results land first, as they did before the check
+                    await pending
+                raise
             started = time.perf_counter()
             turn_seq = seq
-            h.in_model_call = True
             # Progress while it lasts: every try ends by its deadline, so the whole call is
             # bounded (retries and backoffs included) and never looks like a stall within it.
             h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
+            mid_stream = _MidStream(turn_seq, pending)
+            asking = call_model(client, build_request(pv, messages), policy=self.retry,
+                                on_first_event=mid_stream.first_event, on_retry=self._count_retry)
+            call = asyncio.ensure_future(
+                self.tracing.model_turn(client, pv.model, turn_seq, asking))
             try:
-                turn = await self.tracing.model_turn(client, pv.model, turn_seq, call_model(
-                    client,
-                    build_request(pv, messages),
-                    policy=self.retry,
-                    on_first_event=functools.partial(crash_point, "mid_model_stream", turn_seq),
-                    on_retry=self._count_retry,
-                ))
+                if pending is not None:
+                    # The turn is committed only after the results it answers: a commit that
+                    # fails (LeaseLost, RunCancelled, the database) ends the call unheard.
+                    commit, pending = pending, None
+                    await commit
+                    mid_stream.committed()
+                    if self.is_draining() or h.rollback_requested:
+                        continue  # at the commit boundary, as without overlap (finally cancels)
+                h.in_model_call = True  # from here a drain aborts the call at once
+                turn = await call
             finally:
                 h.in_model_call = False
                 h.progress.end()
+                await _settle(call)
             self.metrics.model_seconds.observe(time.perf_counter() - started)
             usage = {
                 "input": turn.input_tokens,
@@ -339,6 +398,12 @@ class RunExecutor:
             log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
+
+    async def _commit_results(
+        self, h: RunHandle, seq: int, payload: dict[str, Any], started: float
+    ) -> None:
+        await self._append(h, seq, "tool_result", payload, started=started)
+        crash_point("after_tool_result_commit", seq)
 
     async def client_for(self, h: RunHandle) -> ModelClient:
         """The client of the run's provider. One this worker cannot call (its settings or

@@ -9,7 +9,11 @@ seq is that of the model turn that asked for the call). Points:
 * ``after_intent_commit``: an irreversible call's intent (or an approved re-run's attempt) is
   committed, the tool not yet called;
 * ``after_tool_return``: a tool returned, its result not yet recorded or committed;
-* ``after_tool_result_commit``: a tool_result step is committed.
+* ``after_tool_result_commit``: a tool_result step is committed (with overlap, the next turn's
+  request may be out already; its turn is not committed).
+
+With overlap (worker/executor.py) ``mid_model_stream`` waits, if need be, until the results before
+that turn have landed, so it leaves the state it always did.
 """
 
 from __future__ import annotations

@@ -429,6 +429,7 @@ class ToolSpec:
     compensate: str | None = None
     on_error: OnError = "result"
     timeout: float | None = None  # seconds; None: the worker's --tool-timeout
+    inline: bool = False  # a sync tool that never blocks: called on the event loop (no thread)
 
     @classmethod
     def from_function(
@@ -442,6 +443,7 @@ class ToolSpec:
         compensate: str | None = None,
         on_error: OnError = "result",
         timeout: float | None = None,
+        inline: bool = False,
     ) -> ToolSpec:
         """Validate the declaration and build the spec (what ``@tool`` does, minus registering)."""
         label = _qualname(fn)
@@ -491,6 +493,8 @@ class ToolSpec:
             raise ToolDefinitionError(
                 f"tool {label}: timeout must be a positive number of seconds, got {timeout!r}"
             )
+        if inline:
+            _check_inline(label, fn, tool_kind, compensate)
         desc = _describe(fn) if description is None else " ".join(description.split())
         return cls(
             name=tool_name,
@@ -502,6 +506,7 @@ class ToolSpec:
             compensate=compensate,
             on_error=on_error,
             timeout=None if timeout is None else float(timeout),
+            inline=bool(inline),
         )
 
     @cached_property
@@ -527,7 +532,8 @@ class ToolSpec:
         Bad input and :class:`ToolError` become an error outcome the model can react to; any
         other exception propagates (see :meth:`classify` for what the runtime does with it),
         a BaseException that is not an Exception as :class:`ToolCrashed`. Only the caller's own
-        cancellation propagates as such. A sync tool runs in a daemon thread.
+        cancellation propagates as such. A sync tool runs in a daemon thread, unless it is
+        ``inline``: then it is called right here, on the event loop's thread.
         """
         if not isinstance(raw_input, dict):
             return ToolOutcome(
@@ -543,6 +549,10 @@ class ToolSpec:
         try:
             if self.is_async:
                 result = await self.fn(ctx, **kwargs)
+            elif self.inline:  # on this thread, in a copy of its context as a thread would be
+                result = contextvars.copy_context().run(self.fn, ctx, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
             else:
                 thread = f"tool-{self.name}-{ctx.run_id}"
                 result = await _in_daemon_thread(thread, self.fn, ctx, **kwargs)
@@ -578,6 +588,24 @@ class ToolSpec:
                 return "abort" if self.on_error == "abort" else "result"
             return "retry"
         return self.on_error
+
+
+def _check_inline(
+    label: str, fn: Callable[..., Any], kind: ToolKind, compensate: str | None
+) -> None:
+    """Where ``inline=True`` is refused. An async tool runs on the loop already. A tool whose
+    calls are recorded (non_idempotent, irreversible, or one with a compensation) pays a fenced
+    write per call, beside which a thread hop is noise, and acts on another system: a call that
+    blocks there would stall every run of the worker, its heartbeat included."""
+    if inspect.iscoroutinefunction(fn):
+        raise ToolDefinitionError(
+            f"tool {label}: inline=True is for sync tools; an async tool runs on the event loop"
+        )
+    if not kind.rerun_on_resume or compensate is not None:
+        raise ToolDefinitionError(
+            f"tool {label}: inline=True is for pure and idempotent tools without a compensation "
+            f"(a {kind.value} tool's calls are recorded; its thread hop costs nothing beside that)"
+        )
 
 
 def tool_spec(fn: Callable[..., Any]) -> ToolSpec:
@@ -657,6 +685,7 @@ def tool(
     compensate: str | None = None,
     on_error: OnError = "result",
     timeout: float | None = None,
+    inline: bool = False,
     registry: ToolRegistry | None = None,
 ) -> F: ...
 
@@ -672,6 +701,7 @@ def tool(
     compensate: str | None = None,
     on_error: OnError = "result",
     timeout: float | None = None,
+    inline: bool = False,
     registry: ToolRegistry | None = None,
 ) -> Callable[[F], F]: ...
 
@@ -686,6 +716,7 @@ def tool(
     compensate: str | None = None,
     on_error: OnError = "result",
     timeout: float | None = None,
+    inline: bool = False,
     registry: ToolRegistry | None = None,
 ) -> F | Callable[[F], F]:
     """Declare a tool: ``@tool(kind="idempotent")``.
@@ -693,7 +724,10 @@ def tool(
     The function is returned unchanged (still callable directly, e.g. in unit tests); its
     :class:`ToolSpec` is registered in ``registry`` (default: :data:`default_registry`) and
     reachable with :func:`tool_spec`. ``timeout`` (seconds) bounds each call; without it the
-    worker's --tool-timeout applies.
+    worker's --tool-timeout applies. ``inline=True`` (a sync pure or idempotent tool that never
+    blocks: a parse, a lookup in memory) calls it on the event loop instead of in a thread of its
+    own; no timeout or lost lease can interrupt such a call, and while it runs the worker's other
+    runs and its heartbeat wait (see docs/tools.md).
     """
 
     def decorate(f: F) -> F:
@@ -706,6 +740,7 @@ def tool(
             compensate=compensate,
             on_error=on_error,
             timeout=timeout,
+            inline=inline,
         )
         (registry if registry is not None else default_registry).register(spec)
         setattr(f, _SPEC_ATTR, spec)
