@@ -384,7 +384,8 @@ async def _read_stream(
     json_bufs: dict[int, bytes] = {}
     first = True
     rest = b""
-    async for chunk in response.aiter_bytes():
+    chunks = response.aiter_bytes()
+    async for chunk in chunks:
         lines = (rest + chunk).split(b"\n")
         rest = lines.pop()  # the line not yet ended
         for line in lines:
@@ -472,6 +473,10 @@ async def _read_stream(
                 for i, buf in json_bufs.items():
                     if buf:  # the SDK's own parser, in its mode, for the same input values
                         message["content"][i]["input"] = from_json(buf, partial_mode=True)
+                # Read the response to its end, as the SDK does: one closed before its end
+                # takes its connection with it, and every turn would pay a new one.
+                async for _ in chunks:
+                    pass
                 return message
     # The SDK would hand out whatever it assembled (no stop_reason, maybe no content): it is not
     # a turn, and committing it would put a broken message into the history.
