@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +106,8 @@ async def run_bench(url: str, base_url: str, runs: int, rounds: int,
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for variant in order:
                 _configure(variant)
-                steps, cpu, wall = await _round(store, executor, runs, f"cpu-{variant.replace('_', '-')}")
+                pool = "cpu-" + variant.replace("_", "-")  # a pool name is a DNS label
+                steps, cpu, wall = await _round(store, executor, runs, pool)
                 per[variant]["cpu_ms"].append(cpu * 1000 / steps)
                 per[variant]["sps"].append(steps / wall)
                 progress(f"round {r + 1} {variant}: {cpu * 1000 / steps:.3f} ms CPU/step, "
@@ -126,20 +129,27 @@ async def run_bench(url: str, base_url: str, runs: int, rounds: int,
     return out
 
 
-def _quiet_logging() -> None:
-    """The worker's logging (JSON at INFO), written to /dev/null."""
-    setup_logging("json", "INFO")
-    sink = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sink)
+@contextlib.contextmanager
+def _worker_logging() -> Iterator[None]:
+    """The worker's logging (JSON at INFO) into /dev/null, and the caller's back after (the
+    report runs other sections in this process)."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    with open(os.devnull, "w") as sink:
+        setup_logging("json", "INFO")
+        for handler in root.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sink)
+        try:
+            yield
+        finally:
+            root.handlers[:], root.level = saved[0], saved[1]
 
 
 async def cpu_bench(url: str, runs: int = 16, turns: int = 10, rounds: int = 5,
                     progress: Progress = _quiet) -> dict[str, Any]:
-    _quiet_logging()
     tmp = Path(tempfile.mkdtemp(prefix="agentrun-cpu-"))
-    with fake_server(scenario_file(tmp, "cpu", scenario(turns))) as base_url:
+    with _worker_logging(), fake_server(scenario_file(tmp, "cpu", scenario(turns))) as base_url:
         out = await run_bench(url, base_url, runs, rounds, progress)
     out["turns"] = turns
     return out
