@@ -159,3 +159,13 @@ def test_traced_bedrock_and_switched_off_clients_take_the_sdks_events(
     assert model_call.raw_route(plain)
     monkeypatch.setattr(model_call, "RAW_STREAM", False)
     assert not model_call.raw_route(plain)
+
+
+async def test_a_lone_surrogate_is_sent_escaped_on_the_raw_route(
+    srv: FakeAnthropicServer,
+) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        turn = await model_call._stream_turn(client, request("file \udcff [text]"), None)
+    assert turn.stop_reason == "end_turn"
+    assert model_call._body(request("\udcff")).count(b"\\udcff") == 1

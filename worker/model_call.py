@@ -38,10 +38,13 @@ from typing import Any
 
 import anthropic
 import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
+from anthropic._constants import RAW_RESPONSE_HEADER
+from anthropic._utils._json import openapi_dumps, openapi_dumps_str
 from jiter import from_json
 
 from agentrun.manifests import DEFAULT_MAX_TOKENS
 from agentrun.store import PromptVersion, canonical_json
+from agentrun.worker.client import escape_surrogates
 from agentrun.worker.providers import ModelClient, PermanentModelError, TransientExhausted
 from agentrun.worker.settings import RetryPolicy
 
@@ -343,17 +346,24 @@ async def _stream_turn(
 ) -> ModelTurn:
     if not raw_route(client):
         return await _stream_turn_sdk(client, request, on_first_event)
-    # A non-2xx status raises the SDK's own APIStatusError here, before any byte is read.
-    async with client.messages.with_streaming_response.create(**request, stream=True) as resp:
-        try:
-            message = await _read_stream(
-                resp.http_response, on_first_event, anthropic_client=client
-            )
-        except _malformed() as exc:
-            raise MalformedStream(
-                f"malformed stream: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-            ) from exc
-        request_id = resp.request_id
+    assert isinstance(client, anthropic.AsyncAnthropic)  # raw_route's
+    # The client's own post: its auth, headers, transport, timeouts, and a non-2xx status raised
+    # as its APIStatusError before any byte is read. The body goes as the bytes the SDK would
+    # send (its own encoder), made here: the SDK would first copy the whole history, every turn,
+    # looking for file inputs a worker never sends.
+    response = await client.post(
+        "/v1/messages", cast_to=httpx.Response, content=_body(request), stream=True,
+        options={"headers": {RAW_RESPONSE_HEADER: "stream"}},
+    )
+    try:
+        message = await _read_stream(response, on_first_event, anthropic_client=client)
+    except _malformed() as exc:
+        raise MalformedStream(
+            f"malformed stream: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        ) from exc
+    finally:
+        await response.aclose()  # at once, also on a cancellation: the stream is dropped
+    request_id = response.headers.get("request-id")
     usage = message["usage"]
     return ModelTurn(
         payload=message,
@@ -364,6 +374,16 @@ async def _stream_turn(
         cache_read_tokens=usage.get("cache_read_input_tokens") or 0,
         cache_write_tokens=usage.get("cache_creation_input_tokens") or 0,
     )
+
+
+def _body(request: dict[str, Any]) -> bytes:
+    """The streamed request's JSON as the SDK writes it, a lone surrogate escaped as the
+    clients of worker/client.py escape it (the SDK's encoder cannot write one as UTF-8)."""
+    body = {**request, "stream": True}
+    try:
+        return openapi_dumps(body)
+    except UnicodeEncodeError:
+        return escape_surrogates(openapi_dumps_str(body))
 
 
 async def _read_stream(
