@@ -61,7 +61,7 @@ class DeadlineExceeded(Exception):
 
 @dataclass(frozen=True)
 class ModelTurn:
-    payload: dict[str, Any]  # message.to_dict(): exactly what the SDK assembled, stored verbatim
+    payload: dict[str, Any]  # the assembled message as message.to_dict() gives it, stored verbatim
     request_id: str | None
     stop_reason: str | None
     input_tokens: int
