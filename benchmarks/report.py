@@ -63,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 10,
         "prune_steps": 20_000,
         "startup_rounds": 1,
+        "cpu": {"runs": 2, "turns": 2, "rounds": 1},
         "claim_held": 2000,
         "claim_rounds": 20,
         "group_steps": 64,
@@ -81,6 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 100,
         "prune_steps": 200_000,
         "startup_rounds": 8,
+        "cpu": {"runs": 16, "turns": 10, "rounds": 5},
         "claim_held": 10_000,
         "claim_rounds": 200,
         "group_steps": 1000,
@@ -99,6 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "held": 100,
         "prune_steps": 1_000_000,
         "startup_rounds": 12,
+        "cpu": {"runs": 16, "turns": 20, "rounds": 9},
         "claim_held": 10_000,
         "claim_rounds": 500,
         "group_steps": 4000,
@@ -106,7 +109,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 SECTIONS = (
-    "store", "claim", "group", "per_step", "resume", "cancel", "throughput", "startup", "prune",
+    "store", "claim", "group", "per_step", "resume", "cancel", "throughput", "startup", "cpu",
+    "prune",
     "idle", "operator", "memory",
 )
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
@@ -231,6 +235,7 @@ def run_all(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     from benchmarks import (
         claim_bench,
+        cpu_bench,
         fleet_bench,
         group_bench,
         prune_bench,
@@ -294,8 +299,8 @@ def run_all(
                 res["prune"] = asyncio.run(
                     prune_bench.prune_bench(url, steps=p["prune_steps"], log=log)
                 )
-        worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput", "startup")
-                       if n in only]
+        worker_sections = [n for n in ("per_step", "resume", "cancel", "throughput", "startup",
+                                          "cpu") if n in only]
         if worker_sections:
             with contextlib.ExitStack() as stack:
                 try:
@@ -324,6 +329,9 @@ def run_all(
                         res["startup"] = asyncio.run(
                             startup_bench.startup_bench(url, p["startup_rounds"], log)
                         )
+                if "cpu" in only and url:
+                    with section(res, errors, "cpu", log):
+                        res["cpu"] = asyncio.run(cpu_bench.cpu_bench(url, progress=log, **p["cpu"]))
                 if "throughput" in only and url:
                     with section(res, errors, "throughput", log):
                         res["throughput"] = asyncio.run(
@@ -469,6 +477,10 @@ F_MEM = "memory per worker process (RSS)"
 F_START = "worker start-up, exec to first claim (benchmarks/startup_bench.py)"
 #: Issue 17's goal for F_START, in seconds.
 STARTUP_GOAL_S = 0.5
+F_CPU = "worker CPU per step, 16 runs per worker (benchmarks/cpu_bench.py)"
+#: Issue 17's goals for F_CPU: CPU ms per step, and steps/s over the SDK-events baseline.
+CPU_GOAL_MS = 0.75
+CPU_GOAL_SPEEDUP = 2.0
 F_FOLLOW = "store append, 16 writers, with followers (logs -f) vs before migration 0008"
 F_PRUNE = "prune of finished runs beside live appends (benchmarks/prune_bench.py)"
 F_GROUP = "group commit: database CPU per append vs one statement each (benchmarks/group_bench.py)"
@@ -498,6 +510,7 @@ GOALS = {
     F_SFZ: "< 2 s",
     F_SFZ_REAL: "< 2 s",
     F_START: f"≤ {STARTUP_GOAL_S} s",
+    F_CPU: f"≤ {CPU_GOAL_MS} ms CPU per step at 16 runs; ≥ {CPU_GOAL_SPEEDUP:g}x steps/s",
     F_MEM: f"1 run: ≤ {WORKER_MEMORY_REQUEST_MIB} MiB (the chart's request); 100 runs: "
     f"≤ {WORKER_MEMORY_LIMIT_MIB} MiB (the chart's limit)",
 }
@@ -513,6 +526,7 @@ SECTION_FIGURES = {
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
     "memory": [F_MEM],
     "startup": [F_START],
+    "cpu": [F_CPU],
     "prune": [F_PRUNE],
 }
 
@@ -756,6 +770,22 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
             f"first model turn committed at {turn['median']:.2f} s "
             f"(baseline {su['eager_turn']['median']:.2f} s)",
             lazy["median"] <= STARTUP_GOAL_S,
+        )
+    if not skipped("cpu"):
+        c = res["cpu"]
+        raw, sdk = c["raw"], c["sdk"]
+        ms, base = raw["cpu_ms_per_step"], sdk["cpu_ms_per_step"]
+        sps = raw["steps_per_s"]
+        row(
+            F_CPU,
+            f"{ms['median']:.2f} ms CPU/step ({ms['min']:.2f}-{ms['max']:.2f}, {c['runs']} runs, "
+            f"{c['rounds']} rounds); baseline, the SDK's events and a line per turn: "
+            f"{base['median']:.2f} ms ({base['min']:.2f}-{base['max']:.2f}), "
+            f"{raw['cpu_ratio']:.2f}x CPU; {sps['median']:.0f} steps/s "
+            f"({sps['min']:.0f}-{sps['max']:.0f}), {raw['steps_per_s_ratio']:.2f}x the baseline's "
+            f"{sdk['steps_per_s']['median']:.0f}; the log line alone: "
+            f"{c['sdk_quiet']['cpu_ratio']:.2f}x CPU",
+            ms["median"] <= CPU_GOAL_MS and raw["steps_per_s_ratio"] >= CPU_GOAL_SPEEDUP,
         )
     if not skipped("memory"):
         m = res["memory"]

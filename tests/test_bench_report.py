@@ -215,3 +215,25 @@ def test_the_group_commit_figures_are_judged() -> None:
     assert table[report.F_GROUP_1].met is False  # 1.5x the latency with nothing to group
     md = report.markdown({"preset": "small", "group": res["group"]}, {}, list(table.values()), 1.0)
     assert "## Group commit" in md and "| 16 | group commit | 0.300 [0.270-0.330] |" in md
+
+
+def test_the_cpu_figure_is_judged_on_both_goals() -> None:
+    def cpu(ms: float, ratio: float) -> dict[str, object]:
+        stats = {"median": ms, "min": ms, "max": ms}
+        sps = {"median": 100.0 * ratio, "min": 90.0, "max": 110.0}
+        return {**_results(), "cpu": {
+            "runs": 16, "rounds": 5,
+            "sdk": {"cpu_ms_per_step": {"median": 1.5, "min": 1.4, "max": 1.6},
+                    "steps_per_s": {"median": 100.0, "min": 90.0, "max": 110.0}},
+            "sdk_quiet": {"cpu_ms_per_step": stats, "steps_per_s": sps, "cpu_ratio": 0.95,
+                          "steps_per_s_ratio": 1.05},
+            "raw": {"cpu_ms_per_step": stats, "steps_per_s": sps, "cpu_ratio": ms / 1.5,
+                    "steps_per_s_ratio": ratio},
+        }}
+
+    met = {r.figure: r for r in report.rows(cpu(0.7, 2.1), {})}[report.F_CPU]
+    assert met.met is True and "0.70 ms CPU/step" in met.measured and "2.10x" in met.measured
+    assert {r.figure: r for r in report.rows(cpu(0.7, 1.9), {})}[report.F_CPU].met is False
+    assert {r.figure: r for r in report.rows(cpu(0.8, 2.5), {})}[report.F_CPU].met is False
+    assert {r.figure: r for r in report.rows(_results(), {})}[report.F_CPU].measured == \
+        "not run (--only)"

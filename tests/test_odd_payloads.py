@@ -116,7 +116,14 @@ async def test_a_nul_and_a_lone_surrogate_from_model_and_tool_are_kept_exactly(
     [result] = steps[1].payload["content"]
     assert result["content"] == TOOL_TEXT
 
-    first, second = [r for r in srv.requests() if r.get("status") == 200]
+    asked = [r for r in srv.requests() if r.get("status") == 200]
+    # Resumed: the killed worker's next request may already be out (its call overlaps the
+    # results' commit, the fault point fires after that commit); the resumed worker then asks
+    # the same turn again, with the same messages.
+    assert len(asked) in ((2, 3) if resumed else (2,)), asked
+    first, second = asked[0], asked[-1]
+    if len(asked) == 3:
+        assert asked[1]["messages"] == second["messages"]
     assert first["messages"] == [{"role": "user", "content": TASK}]
     # The second request is the task, the model's turn as it sent it, and the tool's output.
     assert second["messages"][0] == {"role": "user", "content": TASK}

@@ -395,7 +395,7 @@ class RunExecutor:
             )
             spend.add(sum(usage.values()), cost)  # the four kinds: what maxTokens counts
             crash_point("after_model_turn_commit", seq)
-            log.info("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
+            log.debug("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
 

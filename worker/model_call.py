@@ -38,9 +38,13 @@ from typing import Any
 
 import anthropic
 import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
+from anthropic._constants import RAW_RESPONSE_HEADER
+from anthropic._utils._json import openapi_dumps, openapi_dumps_str
+from jiter import from_json
 
 from agentrun.manifests import DEFAULT_MAX_TOKENS
 from agentrun.store import PromptVersion, canonical_json
+from agentrun.worker.client import escape_surrogates
 from agentrun.worker.providers import ModelClient, PermanentModelError, TransientExhausted
 from agentrun.worker.settings import RetryPolicy
 
@@ -57,7 +61,7 @@ class DeadlineExceeded(Exception):
 
 @dataclass(frozen=True)
 class ModelTurn:
-    payload: dict[str, Any]  # message.to_dict(): exactly what the SDK assembled, stored verbatim
+    payload: dict[str, Any]  # the assembled message as message.to_dict() gives it, stored verbatim
     request_id: str | None
     stop_reason: str | None
     input_tokens: int
@@ -311,11 +315,200 @@ async def _call_once(
         ) from None
 
 
+#: The one switch between the two ways of reading a stream (issue 17). On: a first-party client
+#: without the SDK's own spans sends the request through the SDK (its auth, headers, transport,
+#: timeouts, error statuses) but reads the server-sent events itself, straight into the dicts the
+#: step log stores, about half the worker's CPU per step less than building the SDK's event
+#: models and converting them back (benchmarks/cpu_bench.py). Off: every client takes the SDK's
+#: events (:func:`_stream_turn_sdk`), the route Bedrock, Vertex and a traced client always take.
+RAW_STREAM = True
+
+# The content blocks whose input streams as input_json_delta (the SDK's TRACKS_TOOL_INPUT).
+_TOOL_INPUT_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+
+
+def raw_route(client: ModelClient) -> bool:
+    """Whether :func:`_stream_turn` reads this client's stream itself. Only the first-party
+    client's: Bedrock frames its stream as AWS event-stream messages and Vertex is left to the
+    SDK that knows it; and a client with the SDK's own spans on (worker/tracing.py) keeps them,
+    since the SDK records the usage of its span from the events it builds."""
+    return (
+        RAW_STREAM
+        and isinstance(client, anthropic.AsyncAnthropic)
+        and getattr(client, "_tracer", None) is None
+    )
+
+
 async def _stream_turn(
     client: ModelClient,
     request: dict[str, Any],
     on_first_event: OnEvent | None,
 ) -> ModelTurn:
+    if not raw_route(client):
+        return await _stream_turn_sdk(client, request, on_first_event)
+    assert isinstance(client, anthropic.AsyncAnthropic)  # raw_route's
+    # The client's own post: its auth, headers, transport, timeouts, and a non-2xx status raised
+    # as its APIStatusError before any byte is read. The body goes as the bytes the SDK would
+    # send (its own encoder), made here: the SDK would first copy the whole history, every turn,
+    # looking for file inputs a worker never sends.
+    response = await client.post(
+        "/v1/messages", cast_to=httpx.Response, content=_body(request), stream=True,
+        options={"headers": {RAW_RESPONSE_HEADER: "stream"}},
+    )
+    try:
+        message = await _read_stream(response, on_first_event, anthropic_client=client)
+    except _malformed() as exc:
+        raise MalformedStream(
+            f"malformed stream: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        ) from exc
+    finally:
+        await response.aclose()  # at once, also on a cancellation: the stream is dropped
+    request_id = response.headers.get("request-id")
+    usage = message["usage"]
+    return ModelTurn(
+        payload=message,
+        request_id=request_id,
+        stop_reason=message.get("stop_reason"),
+        input_tokens=usage.get("input_tokens") or 0,
+        output_tokens=usage.get("output_tokens") or 0,
+        cache_read_tokens=usage.get("cache_read_input_tokens") or 0,
+        cache_write_tokens=usage.get("cache_creation_input_tokens") or 0,
+    )
+
+
+def _body(request: dict[str, Any]) -> bytes:
+    """The streamed request's JSON as the SDK writes it, a lone surrogate escaped as the
+    clients of worker/client.py escape it (the SDK's encoder cannot write one as UTF-8)."""
+    body = {**request, "stream": True}
+    try:
+        return openapi_dumps(body)
+    except UnicodeEncodeError:
+        return escape_surrogates(openapi_dumps_str(body))
+
+
+async def _read_stream(
+    response: httpx.Response,
+    on_first_event: OnEvent | None,
+    *,
+    anthropic_client: Any,
+) -> dict[str, Any]:
+    """The message a 200 stream of server-sent events assembles to, as the SDK's
+    ``get_final_message().to_dict()`` would give it (the same keys and values), read from the
+    provider's JSON without a model object in between. Raises what the SDK would: the SDK's
+    APIStatusError (status 200) for an ``event: error``; a ValueError or LookupError for bytes
+    that are not a message (the caller's MalformedStream); MalformedStream for a stream that
+    ends before ``message_stop``."""
+    event: bytes | None = None
+    data: list[bytes] = []
+    message: dict[str, Any] | None = None
+    json_bufs: dict[int, bytes] = {}
+    first = True
+    rest = b""
+    chunks = response.aiter_bytes()
+    async for chunk in chunks:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()  # the line not yet ended
+        for line in lines:
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if line:
+                # An SSE field: name, colon, one optional space, value; a line starting with a
+                # colon is a comment, one without a colon a field of no value (both ignored).
+                name, sep, value = line.partition(b":")
+                if value.startswith(b" "):
+                    value = value[1:]
+                if name == b"data" and sep:
+                    data.append(value)
+                elif name == b"event":
+                    event = value
+                continue
+            # A blank line dispatches the event, as the SDK's decoder does: pings, events of no
+            # name and events of no data are skipped.
+            if event is None or event == b"ping" or (not data and event != b"error"):
+                event, data = None, []
+                continue
+            body = data[0] if len(data) == 1 else b"\n".join(data)
+            name_, event, data = event, None, []
+            if name_ == b"error":
+                try:
+                    err: Any = json.loads(body)
+                    err_msg = f"{err}"
+                except ValueError:
+                    err, err_msg = body.decode(errors="replace"), body.decode(errors="replace")
+                raise anthropic_client._make_status_error(err_msg, body=err, response=response)
+            ev = json.loads(body)  # bytes: a line that is not UTF-8 is a ValueError too
+            if first:
+                first = False
+                if on_first_event is not None:
+                    on_first_event()
+            kind = ev["type"]
+            if message is None:
+                if kind != "message_start":
+                    raise RuntimeError(f'Unexpected event order, got {kind} before "message_start"')
+                message = dict(ev["message"])
+                message["content"] = list(message.get("content") or [])
+                message["usage"] = dict(message["usage"])
+            elif kind == "content_block_delta":
+                block = message["content"][ev["index"]]
+                delta = ev["delta"]
+                dtype = delta["type"]
+                btype = block["type"]
+                if dtype == "text_delta":
+                    if btype == "text":
+                        block["text"] += delta["text"]
+                elif dtype == "input_json_delta":
+                    if btype in _TOOL_INPUT_BLOCKS:
+                        i = ev["index"]
+                        json_bufs[i] = json_bufs.get(i, b"") + delta["partial_json"].encode()
+                elif dtype == "thinking_delta":
+                    if btype == "thinking":
+                        block["thinking"] += delta["thinking"]
+                elif dtype == "signature_delta":
+                    if btype == "thinking":
+                        block["signature"] = delta["signature"]
+                elif dtype == "citations_delta":
+                    if btype == "text":
+                        if not block.get("citations"):
+                            block["citations"] = [delta["citation"]]
+                        else:
+                            block["citations"].append(delta["citation"])
+            elif kind == "content_block_start":
+                message["content"].append(dict(ev["content_block"]))
+            elif kind == "message_delta":
+                delta, usage = ev["delta"], ev["usage"]
+                message["stop_reason"] = delta.get("stop_reason")
+                message["stop_sequence"] = delta.get("stop_sequence")
+                message["stop_details"] = delta.get("stop_details")
+                if delta.get("container") is not None:
+                    message["container"] = delta["container"]
+                mu = message["usage"]
+                mu["output_tokens"] = usage["output_tokens"]
+                # Cumulative totals: they overwrite; one left out keeps message_start's value.
+                for key in ("input_tokens", "cache_creation_input_tokens",
+                            "cache_read_input_tokens", "server_tool_use",
+                            "output_tokens_details"):
+                    if usage.get(key) is not None:
+                        mu[key] = usage[key]
+            elif kind == "message_stop":
+                for i, buf in json_bufs.items():
+                    if buf:  # the SDK's own parser, in its mode, for the same input values
+                        message["content"][i]["input"] = from_json(buf, partial_mode=True)
+                # Read the response to its end, as the SDK does: one closed before its end
+                # takes its connection with it, and every turn would pay a new one.
+                async for _ in chunks:
+                    pass
+                return message
+    # The SDK would hand out whatever it assembled (no stop_reason, maybe no content): it is not
+    # a turn, and committing it would put a broken message into the history.
+    raise MalformedStream("malformed stream: it ended before message_stop")
+
+
+async def _stream_turn_sdk(
+    client: ModelClient,
+    request: dict[str, Any],
+    on_first_event: OnEvent | None,
+) -> ModelTurn:
+    """One turn through the SDK's events (Bedrock, Vertex, a traced client, RAW_STREAM off)."""
     async with client.messages.stream(**request) as stream:
         events = aiter(stream)
         first, stopped = True, False

@@ -1,0 +1,171 @@
+"""The worker reads a first-party stream itself (model_call.RAW_STREAM, issue 17): the payload it
+stores is the one the SDK's events assemble to, key for key and value for value, and every way a
+200 stream goes wrong is classified as it was through the SDK."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from agentrun.fake_anthropic import FakeAnthropicServer
+from agentrun.fake_anthropic.scenario import builtin_scenario_path, load_scenario, parse_scenario
+from agentrun.store import canonical_json
+from agentrun.worker import model_call
+from agentrun.worker.client import AsyncAnthropic
+from agentrun.worker.model_call import MalformedStream, classify
+
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def _scripts() -> dict[str, Any]:
+    turns = {
+        "text": [{"content": [{"text": "Hello there, " * 30}]}],
+        "tool": [{"content": [{"text": "Calling."},
+                              {"tool_use": {"name": "echo", "input": {"text": "é ✓ \\u2028"}}}]}],
+        "multi": [{"content": [
+            {"tool_use": {"name": "echo", "input": {"text": "a", "n": [1, 2.5, None, True]}}},
+            {"tool_use": {"name": "echo", "input": {}}},
+            {"tool_use": {"name": "echo", "input": {"nested": {"deep": ["x" * 200]}}}},
+        ]}],
+        "thinking": [{"content": [{"thinking": "Let me think. " * 40}, {"text": "Done."},
+                                  {"tool_use": {"name": "echo", "input": {"text": "t"}}}]}],
+        "error": [{"content": [{"text": "never"}],
+                   "faults": [{"stream": "error", "type": "overloaded_error", "after_events": 4}]}],
+        "refused": [{"content": [{"text": "never"}],
+                     "faults": [{"stream": "error", "type": "invalid_request_error",
+                                 "message": "bad"}]}],
+        "truncated": [{"content": [{"text": "never"}],
+                       "faults": [{"stream": "truncated", "after_events": 3}]}],
+        "garbage": [{"content": [{"text": "never"}],
+                     "faults": [{"stream": "garbage", "after_events": 3}]}],
+    }
+    return {"name": "raw", "scripts": [
+        {"name": name, "match": f"[{name}]", "turns": t} for name, t in turns.items()
+    ]}
+
+
+@pytest.fixture
+async def srv() -> AsyncIterator[FakeAnthropicServer]:
+    async with FakeAnthropicServer(parse_scenario(_scripts())) as server:
+        yield server
+
+
+def request(task: str, *, thinking: bool = False) -> dict[str, Any]:
+    req: dict[str, Any] = {
+        "model": "claude-sonnet-4-5", "max_tokens": 4096,
+        "messages": [{"role": "user", "content": task}],
+        "tools": [{"name": "echo", "description": "echo",
+                   "input_schema": {"type": "object"}}],
+    }
+    if thinking:
+        req["thinking"] = THINKING
+    return req
+
+
+async def both(client: AsyncAnthropic, req: dict[str, Any]) -> tuple[Any, Any]:
+    assert model_call.raw_route(client)
+    raw = await model_call._stream_turn(client, req, None)
+    sdk = await model_call._stream_turn_sdk(client, req, None)
+    return raw, sdk
+
+
+def same(raw: Any, sdk: Any) -> None:
+    # The message id is the server's random one per answer; everything else is byte-exact.
+    a, b = dict(raw.payload), dict(sdk.payload)
+    assert a.pop("id") != b.pop("id")
+    assert canonical_json(a) == canonical_json(b)
+    assert (raw.stop_reason, raw.input_tokens, raw.output_tokens, raw.cache_read_tokens,
+            raw.cache_write_tokens) == (sdk.stop_reason, sdk.input_tokens, sdk.output_tokens,
+                                        sdk.cache_read_tokens, sdk.cache_write_tokens)
+    assert raw.request_id and sdk.request_id
+
+
+@pytest.mark.parametrize("name", ["text", "tool", "multi", "thinking"])
+async def test_the_raw_payload_is_the_sdks(srv: FakeAnthropicServer, name: str) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        raw, sdk = await both(client, request(f"go [{name}]", thinking=name == "thinking"))
+    same(raw, sdk)
+    assert isinstance(raw.payload["content"], list) and raw.payload["content"]
+
+
+async def test_every_turn_of_the_builtin_scenarios_is_the_sdks() -> None:
+    path = builtin_scenario_path("demo_migration")
+    assert path is not None
+    scenario = load_scenario(path)
+    async with FakeAnthropicServer(scenario) as server, AsyncAnthropic(
+        api_key="k", base_url=server.base_url, max_retries=0, open_telemetry=False
+    ) as client:
+        req = request("migrate the orders table", thinking=True)
+        for _ in scenario.scripts[0].turns:
+            raw = await model_call._stream_turn(client, req, None)
+            # The same turn again through the SDK: the server answers by the history's length.
+            sdk = await model_call._stream_turn_sdk(client, req, None)
+            same(raw, sdk)
+            if raw.stop_reason != "tool_use":
+                break
+            uses = [b for b in raw.payload["content"] if b["type"] == "tool_use"]
+            req = {**req, "messages": [
+                *req["messages"], {"role": "assistant", "content": raw.payload["content"]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": b["id"], "content": "ok"}
+                    for b in uses]},
+            ]}
+
+
+async def test_an_error_event_in_the_stream_is_classified_by_its_type(
+    srv: FakeAnthropicServer,
+) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        seen: list[int] = []
+        with pytest.raises(anthropic.APIStatusError) as err:
+            await model_call._stream_turn(client, request("x [error]"), lambda: seen.append(1))
+        assert err.value.status_code == 200 and model_call.error_type(err.value) == \
+            "overloaded_error"
+        assert classify(err.value) == "transient" and seen == [1]
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            await model_call._stream_turn(client, request("x [refused]"), None)
+        assert classify(refused.value) == "permanent"
+        assert model_call._provider_message(refused.value) == \
+            "error event in the stream invalid_request_error: bad"
+
+
+async def test_a_truncated_stream_is_transient(srv: FakeAnthropicServer) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        with pytest.raises(MalformedStream, match="before message_stop") as err:
+            await model_call._stream_turn(client, request("x [truncated]"), None)
+        assert classify(err.value) == "transient"
+
+
+async def test_a_data_line_that_is_not_json_is_a_malformed_stream(
+    srv: FakeAnthropicServer,
+) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        with pytest.raises(MalformedStream, match="JSONDecodeError") as err:
+            await model_call._stream_turn(client, request("x [garbage]"), None)
+        assert classify(err.value) == "transient"
+
+
+def test_traced_bedrock_and_switched_off_clients_take_the_sdks_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = AsyncAnthropic(api_key="k", max_retries=0, open_telemetry=False)
+    assert model_call.raw_route(plain)
+    monkeypatch.setattr(model_call, "RAW_STREAM", False)
+    assert not model_call.raw_route(plain)
+
+
+async def test_a_lone_surrogate_is_sent_escaped_on_the_raw_route(
+    srv: FakeAnthropicServer,
+) -> None:
+    async with AsyncAnthropic(api_key="k", base_url=srv.base_url, max_retries=0,
+                              open_telemetry=False) as client:
+        turn = await model_call._stream_turn(client, request("file \udcff [text]"), None)
+    assert turn.stop_reason == "end_turn"
+    assert model_call._body(request("\udcff")).count(b"\\udcff") == 1
