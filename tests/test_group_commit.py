@@ -241,7 +241,14 @@ async def test_a_connection_lost_mid_batch_fails_every_caller_and_applies_nothin
         pid = cur.connection.info.backend_pid
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
             await c.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        await asyncio.sleep(0.2)
+            # On the state, not the clock: until the backend has gone.
+            gone = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+            for _ in range(3000):  # the bound only stops a hang (30 s)
+                if await (await c.execute(gone, (pid,))).fetchone() is None:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"backend {pid} still there after pg_terminate_backend")
 
     sent.before_batch = kill
     results = await append_all(store, leases)
