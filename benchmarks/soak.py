@@ -54,7 +54,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,8 @@ from psycopg_pool import PoolTimeout
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
-from agentrun.store import TERMINAL_STATUSES, Run, Step, Store
+from agentrun.store import Run, Step, Store
+from agentrun.vocabulary import TERMINAL_STATUSES
 from benchmarks.bench_tools import ODD_PAYLOADS
 from benchmarks.own_pg import OwnPostgres
 
@@ -95,12 +98,16 @@ LEASE_TTL_S = 2.0
 #: How much longer than its seeded stop a zombie is kept stopped, at most, waiting for its runs to
 #: be taken by the others.
 ZOMBIE_WAIT_S = 20.0
+# The soak's tools return in milliseconds; the bound the on-call human waits out for a zombie that
+# carries on is its lease's end plus this, longer than any zombie stays stopped (8 s plus
+# ZOMBIE_WAIT_S), so a thawed zombie has left the call by then.
+TOOL_TIMEOUT_S = 60.0
 #: What a database outage looks like to the soak's own client.
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 #: Worker logs kept (the oldest are removed: a night's soak starts thousands of workers).
 KEEP_LOGS = 200
 PROGRESS_EVERY_S = 30.0
-HOLD_WAIT_S = 10.0  # --kill-every: how long a slot's kill waits for its worker to hold runs
+HOLD_WAIT_S = 10.0  # --kill-every: how long a slot's clock waits for its worker's first steps
 
 #: The odd-payload runs: one kind per run, in turn. The task starts with ODD_PREFIX + the kind.
 ODD_KINDS = ("nul", "surrogates", "unicode", "huge")
@@ -363,11 +370,22 @@ def _short(value: Any) -> str:
     return text if len(text) <= 160 else f"{text[:160]}... ({len(text)} characters)"
 
 
-async def decide_waiting(store: Store, url: str) -> int:
-    """The scripted on-call human: look at the target, then approve or reject the retry."""
+async def decide_waiting(store: Store, url: str, alive: Callable[[str], bool]) -> int:
+    """The scripted on-call human: look at the target, then approve or reject the retry.
+
+    As docs/side-effects.md tells a human to, an unknown outcome is decided only once its previous
+    holder cannot be inside the call any more: that worker's process is gone (``alive``: the
+    soak's ``kubectl get pod``), or the pending call's ``busy_until`` has passed. Deciding by the
+    target alone approved a retry while a SIGSTOPped worker was inside ``drop_table``: it woke up
+    and dropped the table a second time."""
     decided = 0
+    now = datetime.now(UTC)
     for run in await store.list_runs(status="waiting_approval", limit=1000):
         call = run.pending_call or {}
+        if call.get("busy_until") and now < datetime.fromisoformat(call["busy_until"]):
+            holder = call.get("busy_worker")
+            if holder is None or alive(holder):
+                continue  # it may still be inside the call: look again later
         with psycopg.connect(url) as conn:
             row = conn.execute(
                 "SELECT count(*) FROM ledger_effects WHERE run_id = %s AND tool = %s",
@@ -429,6 +447,7 @@ class _Fleet:
                     "--tools", str(ODD_TOOLS),
                     "--worker-id", f"soak-{n}",
                     "--lease-ttl", str(LEASE_TTL_S),
+                    "--tool-timeout", str(TOOL_TIMEOUT_S),
                     "--poll-interval", "0.5",
                     "--health-port", "-1",
                     "--control-port", "-1",
@@ -492,6 +511,10 @@ class _Fleet:
             if self.serving(slot) is None:
                 self.spawn(slot)
 
+    def alive(self, name: str) -> bool:
+        """Whether the worker called ``name`` is a process still (stopped or not)."""
+        return any(self.names[p.pid] == name and p.poll() is None for p in self.procs)
+
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -525,9 +548,9 @@ async def soak(
     zombie; ``odd_payloads``: the share of runs with odd payloads. ``kill_every``: each worker
     slot is hit on a seeded clock of its own, every 0.5-1.5 times that many seconds (several
     workers die independently, so the kill rate grows with ``workers``), instead of one chaos
-    step every 1-4 s for the whole fleet; a slot's kill waits (up to HOLD_WAIT_S) until its
-    worker holds runs. ``kills``: the chaos ends once that many SIGKILLs
-    were sent (or ``seconds`` is over, whichever comes first)."""
+    step every 1-4 s for the whole fleet; a slot's clock starts once its worker has committed a
+    step on each run of its first claim (waited for up to HOLD_WAIT_S). ``kills``: the chaos
+    ends once that many SIGKILLs were sent (or ``seconds`` is over, whichever comes first)."""
     if kill_every is not None and kill_every <= 0:
         raise ValueError("kill_every must be positive")
     if pg_restarts and pg is None:
@@ -656,24 +679,36 @@ async def soak(
         r = random.Random(f"{seed}:slot{slot}")
         due = False
         while not chaos_over.is_set():
+            victim = fleet.serving(slot)
+            if victim is None:  # the slot's replacement is not started yet
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(chaos_over.wait(), 0.1)
+                continue
+            # The clock starts once the worker has done work: each run of its first claim has
+            # committed a step (or left it), waited for up to HOLD_WAIT_S (a worker with nothing
+            # to claim is hit idle). A clock started at the previous kill lands most kills between
+            # a claim and its first step (start-up eats the interval), and a run claimed
+            # maxAttempts times in a row without a step is dead-lettered, rightly: the 15-minute
+            # trial of that clock dead-lettered 759 of its 812 runs.
+            waited = time.monotonic()
+            first: set[str] | None = None
+            while (
+                not chaos_over.is_set()
+                and victim in fleet.live()
+                and time.monotonic() - waited < HOLD_WAIT_S
+            ):
+                if not first:
+                    first = await holding(victim)
+                elif await stepped(victim, first):
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(chaos_over.wait(), 0.1)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(chaos_over.wait(), r.uniform(0.5, 1.5) * kill_every)
-            victim = fleet.serving(slot)
-            if chaos_over.is_set() or victim is None:
-                continue  # over, or the slot's replacement is not started yet
-            due = due or r.random() < sigstop_rate
-            # A kill lands on a worker that holds runs: one killed while still starting up tests
-            # only its start-up. Waited for up to HOLD_WAIT_S (a worker with nothing to claim
-            # is killed idle).
-            held = await holding(victim)
-            waited = time.monotonic()
-            while (not held and not chaos_over.is_set() and victim in fleet.live()
-                   and time.monotonic() - waited < HOLD_WAIT_S):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(chaos_over.wait(), 0.2)
-                held = await holding(victim)
             if chaos_over.is_set() or victim not in fleet.live():
-                continue  # it exited, or another task hit it while the database answered
+                continue  # over, or it exited, or another task hit it meanwhile
+            due = due or r.random() < sigstop_rate
+            held = await holding(victim)
             if due:
                 if held:  # a zombie worth the name holds runs; else the slot's next turn
                     make_zombie(victim, held, r)
@@ -682,6 +717,20 @@ async def soak(
                 kill(victim, r, held)
             if kills is not None and report.kills >= kills:
                 chaos_over.set()
+
+    async def stepped(victim: subprocess.Popen[bytes], runs: set[str]) -> bool:
+        """Whether each of ``runs`` that ``victim`` still holds has committed a step since its
+        claim (False: the database did not answer)."""
+        with contextlib.suppress(*DB_ERRORS):
+            async with store.pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT count(*) FROM agent_run WHERE id = ANY(%s::uuid[])"
+                    " AND status = 'running' AND lease_owner = %s AND next_seq <= claim_seq",
+                    (list(runs), fleet.names[victim.pid]),
+                )
+                row = await cur.fetchone()
+                return bool(row and row[0] == 0)
+        return False
 
     def db_up() -> bool:
         return outage is None or outage.done()
@@ -721,7 +770,7 @@ async def soak(
                 if not db_up():
                     continue  # the soak's own reads wait for the database like everyone's
                 try:
-                    report.decisions += await decide_waiting(store, url)
+                    report.decisions += await decide_waiting(store, url, fleet.alive)
                     left = await unfinished(store)
                     if continuous and left < runs:
                         await submit(runs - left)
@@ -752,7 +801,7 @@ async def soak(
             while time.monotonic() < calm:
                 fleet.top_up(workers)
                 try:
-                    report.decisions += await decide_waiting(store, url)
+                    report.decisions += await decide_waiting(store, url, fleet.alive)
                     if not await unfinished(store) and all(z.done() for z in zombies):
                         break
                 except DB_ERRORS:

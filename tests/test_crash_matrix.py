@@ -14,6 +14,7 @@ not a SIGKILL: a zombie worker woken inside a tool call after another worker too
 from __future__ import annotations
 
 import signal
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -579,6 +580,13 @@ async def test_a_sigstopped_worker_inside_a_tool_call_is_fenced_and_commits_noth
     assert reason.startswith("outcome unknown: wire_transfer (step 0, attempt 1)"), reason
     assert "worker w1 may still be running it until" in reason, reason
     assert "plus the tool's 60 s timeout" in reason, reason
+    # The same, as fields an on-call script can wait on (the soak's human does).
+    call = waiting.pending_call or {}
+    assert call["busy_worker"] == "w1", call
+    busy_until = datetime.fromisoformat(call["busy_until"])
+    lease_end = datetime.fromisoformat(str((waiting.tool_call or {})["lease_until"]))
+    assert busy_until == lease_end + timedelta(seconds=60), (busy_until, lease_end)
+    assert f"until {busy_until:%Y-%m-%d %H:%M:%S} UTC" in reason, reason
     assert waiting.error is not None and "while tool wire_transfer" in waiting.error
 
     await wait_for(lambda: _count(ledger_db, fenced_sql, rid) == 1, 30, "the zombie's fence")

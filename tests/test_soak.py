@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import pytest
 from benchmarks.bench_tools import ODD_PAYLOADS
 from benchmarks.own_pg import OwnPostgres
 from benchmarks.soak import (
+    AGENT,
     EFFECTS_PER_RUN,
     Report,
     check,
+    decide_waiting,
     ledger_schema,
     model_text,
     odd_task,
@@ -34,6 +37,7 @@ from benchmarks.soak import (
 from psycopg.types.json import Jsonb
 
 from agentrun.migrations import migrate
+from agentrun.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,8 +122,16 @@ async def test_each_worker_slot_is_killed_on_a_clock_of_its_own_until_the_kill_t
     each slot's first turn is a SIGKILL (the draws are the slot's own, whatever the timing), and
     all three come before the eighth kill."""
     report = await _soak(
-        own_postgres, runs=12, seconds=300, pg_restarts=0, sigstop_rate=0.1, odd_payloads=0,
-        seed=3, workers=3, kill_every=1.0, kills=8,
+        own_postgres,
+        runs=12,
+        seconds=300,
+        pg_restarts=0,
+        sigstop_rate=0.1,
+        odd_payloads=0,
+        seed=3,
+        workers=3,
+        kill_every=1.0,
+        kills=8,
     )
     print(report)
     assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
@@ -138,6 +150,52 @@ async def test_large_seeded_soak(own_postgres: OwnPostgres) -> None:
     print(report)
     assert report.pg_restarts == 5 and report.zombies >= 1
     assert report.ok, report.problems
+
+
+async def test_the_oncall_human_waits_while_the_previous_holder_may_be_inside_the_call(
+    store: Store, database_url: str
+) -> None:
+    """An unknown outcome is decided only once its previous holder is gone or its busy_until has
+    passed: deciding by the ledger alone approved a retry while a SIGSTOPped worker was inside
+    drop_table, and it dropped the table twice (a 150-second soak, seed 7)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(ledger_schema())
+    later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    earlier = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+    runs = {}
+    for name, busy in (
+        ("zombie", {"busy_worker": "w-zombie", "busy_until": later}),
+        ("unknown", {"busy_worker": None, "busy_until": later}),
+        ("past", {"busy_worker": "w-zombie", "busy_until": earlier}),
+    ):
+        run, _ = await store.create_run(f"run {name}", AGENT)
+        [(_, lease)] = (await store.claim("default", f"w-{name}")).claimed
+        call = {
+            "seq": 0,
+            "call_index": 0,
+            "tool": "drop_table",
+            "input": {},
+            "stage": "outcome_unknown",
+            "attempt": 1,
+            **busy,
+        }
+        await store.wait_for_approval(lease, "outcome unknown", call)
+        runs[name] = run.id
+
+    async def verdicts() -> dict[str, str | None]:
+        got = {}
+        for name, rid in runs.items():
+            a = await store.get_approval(rid, 0, 0, "outcome_unknown", 1)
+            got[name] = a.decision if a else None
+        return got
+
+    # The zombie's process is alive and its bound is ahead: only the bound that passed is decided.
+    assert await decide_waiting(store, database_url, lambda _name: True) == 1
+    assert await verdicts() == {"zombie": None, "unknown": None, "past": "approved"}
+    # The zombie's process is gone (its pod deleted): its call is over, so it is decided; a
+    # holder that is not known is still waited out.
+    assert await decide_waiting(store, database_url, lambda _name: False) == 1
+    assert await verdicts() == {"zombie": "approved", "unknown": None, "past": "approved"}
 
 
 def _block(scripted: dict[str, Any], tool_id: str) -> dict[str, Any]:

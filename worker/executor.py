@@ -68,6 +68,20 @@ class CompensationFailed(Exception):
     """A compensation could not run: the rollback stops and a human must finish it."""
 
 
+class ToolRaised(Exception):
+    """What a tool raised (or its timeout), as ``_call`` hands it to ``_invoke`` to classify.
+
+    Wrapped so that the worker's own failures around the call (a lease lost by the local clock,
+    the fenced mark's database error) never reach the tool's classification: reported to the
+    model as the tool's error and committed, they stood for a call that was never made (a
+    soak's PostgreSQL restart turned a send_email into "LeaseLost: ..." and the email was
+    never sent)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.exc = exc
+
+
 class WaitForApproval(Exception):
     """The run must wait for a human decision on one call before it can go on."""
 
@@ -588,13 +602,13 @@ class RunExecutor:
             decision = await self.store.get_approval(
                 h.run.id, seq, index, "outcome_unknown", attempt)
             if decision is None:
+                holder, busy = self._previous_holder(h, spec, seq, index)
                 raise WaitForApproval(
                     f"outcome unknown: {name} (step {seq}, attempt {attempt}) was called and its "
-                    "worker died before the outcome was recorded; "
-                    f"{self._previous_holder(h, spec, seq, index)}; check its target, then approve "
-                    f"to run it once more (attempt {attempt + 1}) or reject to tell the model it "
-                    "was not retried",
-                    pending("outcome_unknown", attempt),
+                    f"worker died before the outcome was recorded; {holder}; check its target, "
+                    f"then approve to run it once more (attempt {attempt + 1}) or reject to tell "
+                    "the model it was not retried",
+                    {**pending("outcome_unknown", attempt), **busy},
                 )
             if decision.decision == "rejected":
                 return {"content": f"{name} was not retried: its outcome is unknown, and "
@@ -616,8 +630,12 @@ class RunExecutor:
     def _timeout(self, spec: ToolSpec) -> float:
         return spec.timeout if spec.timeout is not None else self.tool_timeout
 
-    def _previous_holder(self, h: RunHandle, spec: ToolSpec, seq: int, index: int) -> str:
-        """Who may still be inside an irreversible call whose outcome is unknown, until when.
+    def _previous_holder(
+        self, h: RunHandle, spec: ToolSpec, seq: int, index: int
+    ) -> tuple[str, dict[str, Any]]:
+        """Who may still be inside an irreversible call whose outcome is unknown, until when: the
+        sentence for the reason, and the same as fields of the pending call (``busy_worker``,
+        null when not known, and ``busy_until``) for an on-call script to wait on.
 
         A worker that lost its lease (SIGSTOPped, partitioned) may wake up inside the call: it
         stops waiting for it, commits nothing and starts nothing more, and the tool sees
@@ -627,17 +645,20 @@ class RunExecutor:
         marker = h.run.tool_call or {}
         mine = marker.get("seq") == seq and marker.get("call_index") == index
         timeout = self._timeout(spec)
+        worker: str | None = None
         if mine and marker.get("lease_until"):
-            who = f"worker {marker.get('worker')}"
+            worker = str(marker.get("worker"))
+            who = f"worker {worker}"
             ended = datetime.fromisoformat(str(marker["lease_until"]))
         else:  # the previous lease ended before this claim took the run
             who, ended = "its previous holder", h.run.updated_at
         until = ended + timedelta(seconds=timeout)
-        return (
+        said = (
             f"{who} may still be running it until {until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC "
             f"(its lease ended by {ended.astimezone(UTC):%H:%M:%S}, plus the tool's {timeout:g} s "
             "timeout)"
         )
+        return said, {"busy_worker": worker, "busy_until": until.astimezone(UTC).isoformat()}
 
     async def _invoke(
         self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
@@ -649,36 +670,38 @@ class RunExecutor:
             ctx = make_context(h.run_id, turn_seq, index, name, args, attempt, fence=h)
             try:
                 outcome = await self._call(h, spec, ctx, args)
-            except ToolError as exc:
+            except ToolRaised as raised:
+                exc = raised.exc
+            else:
+                if outcome.is_error:
+                    return {"content": outcome.content, "is_error": True}
+                return {"content": outcome.content}
+            if isinstance(exc, ToolError):
                 return {"content": str(exc), "is_error": True}
-            except LeaseExpired as exc:  # the tool saw the fence: this worker must stop
+            if isinstance(exc, LeaseExpired):  # the tool saw the fence: this worker must stop
                 raise LeaseLost(h.run_id, f"{name} stopped at the fence: {exc}") from None
-            except Exception as exc:
-                if isinstance(exc, ToolTimeout) and spec.kind is ToolKind.IRREVERSIBLE:
-                    raise WaitForApproval(
-                        f"outcome unknown: {name} (step {turn_seq}) did not return within its "
-                        f"{exc.timeout:g} s timeout; it may still be running in worker "
-                        f"{h.lease.worker} (a call already inside the tool cannot be killed); "
-                        "check its target, then approve to run it again or reject to tell the "
-                        "model it was not retried",
-                        {"seq": turn_seq, "call_index": index, "tool": name, "input": args,
-                         "stage": "outcome_unknown"},
-                    ) from exc
-                disposition = spec.classify(exc)
-                if disposition == "retry" and attempt <= self.retry.max_retries:
-                    delay = self.retry.delay(attempt - 1, None)
-                    log.warning("tool %s raised %s; retry %d in %.2fs",
-                                name, type(exc).__name__, attempt, delay)
-                    attempt += 1
-                    await asyncio.sleep(delay)
-                    continue
-                if disposition == "abort":
-                    raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
-                log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
-                return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
-            if outcome.is_error:
-                return {"content": outcome.content, "is_error": True}
-            return {"content": outcome.content}
+            if isinstance(exc, ToolTimeout) and spec.kind is ToolKind.IRREVERSIBLE:
+                raise WaitForApproval(
+                    f"outcome unknown: {name} (step {turn_seq}) did not return within its "
+                    f"{exc.timeout:g} s timeout; it may still be running in worker "
+                    f"{h.lease.worker} (a call already inside the tool cannot be killed); "
+                    "check its target, then approve to run it again or reject to tell the "
+                    "model it was not retried",
+                    {"seq": turn_seq, "call_index": index, "tool": name, "input": args,
+                     "stage": "outcome_unknown"},
+                ) from exc
+            disposition = spec.classify(exc)
+            if disposition == "retry" and attempt <= self.retry.max_retries:
+                delay = self.retry.delay(attempt - 1, None)
+                log.warning("tool %s raised %s; retry %d in %.2fs",
+                            name, type(exc).__name__, attempt, delay)
+                attempt += 1
+                await asyncio.sleep(delay)
+                continue
+            if disposition == "abort":
+                raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
+            log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
+            return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
 
     async def _call(
         self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]
@@ -711,6 +734,9 @@ class RunExecutor:
                 wait = min(deadline, h.lease_expires) - time.monotonic()
                 done, _ = await asyncio.wait({call}, timeout=max(wait, 0.0))
                 if done:
+                    failure = call.exception()
+                    if failure is not None:
+                        raise ToolRaised(failure)
                     return call.result()
                 lost = h.lease_lost()
                 if lost is not None:
@@ -718,7 +744,7 @@ class RunExecutor:
                 if time.monotonic() >= deadline:
                     log.warning("tool %s (step %d, call %d) timed out after %g s",
                                 spec.name, ctx.seq, ctx.call_index, timeout)
-                    raise ToolTimeout(spec.name, timeout)
+                    raise ToolRaised(ToolTimeout(spec.name, timeout))
         finally:
             if not call.done():
                 call.cancel()  # an async tool stops here; a sync tool's thread is abandoned
