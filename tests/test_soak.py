@@ -1,4 +1,4 @@
-"""The seeded chaos soak (small in the default run, large behind the slow marker), and proof that
+"""The seeded chaos soak (small in the process tier, large behind the slow marker), and proof that
 its checker fails when a duplicate, a lost step, a dead-lettered healthy run or an odd payload
 that reads back changed is planted.
 
