@@ -39,10 +39,12 @@ class HeldCommitStore(Store):
     held: asyncio.Event
     proceed: asyncio.Event
     lose: bool
+    held_in: asyncio.Task[Any] | None = None  # the task the held commit runs in
 
     async def append_step(self, lease: Lease, seq: int, kind: Any, payload: Any,
                           **kw: Any) -> Any:
         if kind == "tool_result":
+            self.held_in = asyncio.current_task()
             self.held.set()
             await self.proceed.wait()
             if self.lose:
@@ -69,6 +71,15 @@ async def claim(store: Store, task: str) -> RunHandle:
     await store.create_run(task, AGENT, pool="overlap")
     ((claimed, lease),) = (await store.claim("overlap", "w", 1, ttl=60)).claimed
     return RunHandle(claimed, lease, lease_ttl=60)
+
+
+def awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """The coroutines ``task`` is suspended in, outermost first (its await chain)."""
+    names, coro = [], task.get_coro()
+    while coro is not None and hasattr(coro, "cr_code"):
+        names.append(coro.cr_code.co_qualname)
+        coro = coro.cr_await
+    return names
 
 
 def turns_asked(srv: Any) -> list[int]:
@@ -107,9 +118,14 @@ async def test_overlap_off_asks_only_after_the_results_are_committed(
         h = await claim(store, "echo three times")
         ex = executor(store, srv.base_url, overlap=False)
         advancing = asyncio.create_task(ex.advance(h))
-        await asyncio.wait_for(store.held.wait(), 10)
-        await asyncio.sleep(0.5)
-        assert turns_asked(srv) == [0]  # as before overlap: the commit first, then the call
+        await store.held.wait()  # in this task, no helper task (the test timeout bounds it)
+        # As before overlap: the commit first, then the call. The held commit runs in the
+        # advancing task itself, which is suspended inside it, so that task cannot be calling the
+        # model meanwhile (with overlap the commit is a task of its own and the advancing task
+        # goes on to the call); said by state, not by waiting to see that no request came.
+        assert store.held_in is advancing
+        assert "HeldCommitStore.append_step" in awaiting(advancing), awaiting(advancing)
+        assert turns_asked(srv) == [0]
         store.proceed.set()
         assert await asyncio.wait_for(advancing, 20) is None
         steps = await store.steps(h.run.id)
