@@ -374,6 +374,51 @@ async def test_the_batcher_caps_a_batch_and_keeps_arrival_order() -> None:
     assert sessions == [0, 1]
 
 
+async def test_a_batch_with_no_session_gets_the_error_and_the_next_batch_tries_again() -> None:
+    """The pool cannot give the drainer a connection (the database is down): the callers of the
+    batch in hand get the error a lone append would have had (PoolTimeout here), none waits for
+    ever, and the batch after it is sent once a session opens again."""
+    from psycopg_pool import PoolTimeout
+
+    release, trying, gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    opened: list[str] = []
+    refuse = [False, True, False]  # the lone item's session, the first batch's, the next's
+
+    @contextlib.asynccontextmanager
+    async def session() -> AsyncIterator[int]:
+        if refuse[len(opened)]:
+            trying.set()
+            await gate.wait()  # the pool trying, until the test has queued one more
+            opened.append("refused")
+            raise PoolTimeout("couldn't get a connection after 30.00 sec")
+        opened.append("opened")
+        yield len(opened)
+
+    async def send(items: Sequence[str], session: int) -> list[str | Exception]:
+        if items == ["lone"]:
+            await release.wait()  # in flight while the others queue
+        return [f"sent {item}" for item in items]
+
+    batcher: GroupCommit[str, str, int] = GroupCommit(send, session, lambda item: ("g", item))
+    lone = asyncio.create_task(batcher.submit("lone"))
+    await asyncio.sleep(0)  # the lone item is in flight (its own session, send waiting)
+    first = [asyncio.create_task(batcher.submit(name)) for name in ("b", "c")]
+    await asyncio.sleep(0)  # queued behind it
+    release.set()
+    assert await lone == "sent lone"
+    await trying.wait()  # the drainer took b and c, and waits for a session
+    assert batcher.queued == 0
+    second = asyncio.create_task(batcher.submit("d"))  # queued behind the refused batch
+    await asyncio.sleep(0)
+    gate.set()
+    # Sent once a session opens again (before the fix: cancelled, the drainer dead).
+    assert await second == "sent d"
+    for task in first:
+        assert task.done() and isinstance(task.exception(), PoolTimeout), task
+    assert opened == ["opened", "refused", "opened"]
+    assert batcher.queued == 0
+
+
 def test_the_worker_exports_the_append_counters() -> None:
     stats = AppendStats()
     metrics = WorkerMetrics()

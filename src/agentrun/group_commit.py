@@ -137,17 +137,27 @@ class GroupCommit(Generic[T, R, S]):
     async def _drain(self) -> None:
         try:
             while batch := self._take():
-                async with self._session() as session:
-                    while (batch and await self._one_batch(batch, session)
-                           and self._alive(session)):
-                        # One pass of the event loop (not a timer) before the next batch: the
-                        # callers just answered run first, and one that appends again at once (a
-                        # run whose next step is ready) joins the next batch instead of waiting
-                        # for it to return. Without it, runs that append back to back split into
-                        # two cohorts that take turns, each batch half the runs and every commit
-                        # flushed alone.
-                        await asyncio.sleep(0)
-                        batch = self._take()
+                try:
+                    async with self._session() as session:
+                        while (batch and await self._one_batch(batch, session)
+                               and self._alive(session)):
+                            # One pass of the event loop (not a timer) before the next batch:
+                            # the callers just answered run first, and one that appends again at
+                            # once (a run whose next step is ready) joins the next batch instead
+                            # of waiting for it to return. Without it, runs that append back to
+                            # back split into two cohorts that take turns, each batch half the
+                            # runs and every commit flushed alone.
+                            await asyncio.sleep(0)
+                            batch = self._take()
+                except Exception as exc:
+                    # No session to send on (the pool timed out: the database is down) or one
+                    # that failed as it was given back: the batch in hand gets what a lone append
+                    # would have raised, and the next batch tries again. Before, the drainer died
+                    # of it with the taken batch's callers waiting for ever, its exception never
+                    # retrieved.
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
         finally:
             # Cancelled (the loop is closing): nobody will send the rest.
             for _, future in self._queue:
