@@ -46,7 +46,7 @@ from agentrun.tools import (
     idempotency_key,
     make_context,
 )
-from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_end, rollback_reason
+from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_reason
 from agentrun.worker.budget import Spend, over_budget
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
@@ -437,7 +437,8 @@ class RunExecutor:
         --rollback, reject --abort), and its stored reason says why and what it ends as. The
         first reason stored stays either way."""
         sent = time.monotonic()
-        reason = await self.store.begin_rollback(h.lease, rollback_reason("failed", failure))
+        reason, final = await self.store.begin_rollback(
+            h.lease, rollback_reason("failed", failure), "failed")
         self._committed(h, sent)
         outcome = "no_compensation"
         try:
@@ -452,9 +453,8 @@ class RunExecutor:
             if s.kind == "compensation"
         ]
         error = reason + (f"; compensated: {', '.join(undone)}" if undone else "")
-        # What the rollback's request said it ends as, kept in the stored reason (read back after
+        # ``final``: what the rollback's request said it ends as, stored with it (read back after
         # a worker died mid-rollback too): a cancel's ends cancelled, every other failed.
-        final = rollback_end(reason)
         await self.store.finish(h.lease, final, error=error)
         self.metrics.aborts.labels(outcome).inc()
         self.metrics.runs_finished.labels(final).inc()

@@ -62,6 +62,7 @@ from agentrun.schema import ensure_schema, open_store
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_STEPS,
+    DB_ERRORS,
     FOLLOWER_LEASE,
     ManifestName,
     Run,
@@ -294,7 +295,7 @@ class RunChanges:
                     payload = n.json()
                     if isinstance(payload, dict) and payload.get("id") == self.run_id:
                         self._set("run")
-            except (psycopg.Error, OSError) as exc:
+            except DB_ERRORS as exc:
                 if not lost:
                     print(
                         f"agentrun: run {self.run_id}: lost the database's notifications "
@@ -404,7 +405,7 @@ async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[N
             try:
                 await store.follow_run(run_id, follower, lease)
                 failing = False
-            except (psycopg.Error, OSError) as exc:
+            except DB_ERRORS as exc:
                 if not failing:  # steps still come, from the re-read every FOLLOW_RESYNC
                     print(
                         f"agentrun: run {run_id}: cannot renew the follow of its steps "

@@ -35,8 +35,6 @@ from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, get_args
 from uuid import UUID
 
-import psycopg
-from psycopg_pool import PoolTimeout
 from pydantic import ValidationError
 
 from agentrun.config import validate_database_url
@@ -55,6 +53,7 @@ from agentrun.manifests import (
 from agentrun.schema import open_store
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
+    DB_ERRORS,
     ManifestName,
     Run,
     Step,
@@ -280,7 +279,7 @@ class AsyncClient:
                     await asyncio.wait_for(wake.get(), RECHECK_INTERVAL)
                 try:
                     seen[0] = await self.store.get_run(rid)
-                except (psycopg.OperationalError, PoolTimeout) as exc:
+                except DB_ERRORS as exc:
                     # An outage: the LISTEN reconnects and wakes us when the database is back.
                     log.warning("run %s: cannot read the run (%s); the wait goes on", rid, exc,
                                 extra={"run_id": str(rid)})
@@ -301,7 +300,7 @@ class AsyncClient:
                     delay = 0.2
                     if _is_about(n.payload, rid):
                         wake.put_nowait(None)
-            except (psycopg.OperationalError, OSError) as exc:
+            except DB_ERRORS as exc:
                 log.info("run %s: the wait's LISTEN connection failed (%s); reconnecting in "
                          "%.1f s", rid, exc, delay, extra={"run_id": str(rid)})
             await asyncio.sleep(delay)

@@ -400,6 +400,7 @@ class Run:
     wait_reason: str | None = None
     pending_call: dict[str, Any] | None = None
     rollback_reason: str | None = None
+    rollback_end: RollbackEnd | None = None  # what the rollback ends as (migration 0016)
     input_tokens: int = 0
     output_tokens: int = 0
     # Prompt-cache tokens (migration 0010), apart from input_tokens as the API reports them.
@@ -1192,11 +1193,13 @@ class Store:
             await cur.execute(queries["compensations_due"], {"run_id": run_id})
             return await cur.fetchall()
 
-    async def begin_rollback(self, lease: Lease, reason: str) -> str:
-        """Mark the run as rolling back (once; the first reason stays). Fenced."""
-        row = await self._fenced("begin_rollback", lease, reason=reason)
-        pinned: str = row[0]
-        return pinned
+    async def begin_rollback(
+        self, lease: Lease, reason: str, end: RollbackEnd = "failed"
+    ) -> tuple[str, RollbackEnd]:
+        """Mark the run as rolling back (once; the first reason and end stay: a requested
+        rollback's). Fenced. Returns the stored reason and what the rollback ends as."""
+        row = await self._fenced("begin_rollback", lease, reason=reason, end=end)
+        return row[0], row[1]
 
     async def begin_tool_call(self, lease: Lease, call: dict[str, Any]) -> None:
         """Mark the tool call about to be invoked (fenced; renews the lease). Raises
@@ -1295,7 +1298,8 @@ class Store:
             if abort:
                 why = rollback_reason("failed", f"rejected by {decided_by}" + (
                     f": {reason}" if reason else ""))
-                await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": why})
+                await cur.execute(queries["request_rollback"],
+                                  {"run_id": rid, "reason": why, "end": "failed"})
             else:
                 await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
         return dict(pending)
@@ -1304,13 +1308,14 @@ class Store:
         self, run_id: str | UUID, end: RollbackEnd, why: str | None = None
     ) -> tuple[Run, bool]:
         """Ask for the run's compensations to run and the run to end as ``end`` (see
-        queries.sql; ``end`` is kept in the stored reason, agentrun.vocabulary.rollback_reason).
-        Returns the run and whether the request was recorded (False: already finished)."""
+        queries.sql; stored beside the reason, migration 0016). Returns the run and whether the
+        request was recorded (False: already finished)."""
         rid = parse_run_id(run_id)
         reason = rollback_reason(end, why)
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=class_row(Run))
-            await cur.execute(queries["request_rollback"], {"run_id": rid, "reason": reason})
+            await cur.execute(queries["request_rollback"],
+                              {"run_id": rid, "reason": reason, "end": end})
             run = await cur.fetchone()
         return (run, True) if run is not None else (await self.get_run(rid), False)
 

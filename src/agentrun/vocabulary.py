@@ -56,23 +56,18 @@ VERDICTS: Final[dict[ApprovalDecision, Verdict]] = {"approve": "approved", "reje
 #: with abort, a tier-3 failure) ends failed.
 RollbackEnd = Literal["cancelled", "failed"]
 
-# The rollback's end is stored in its reason (agent_run.rollback_reason, text), the one place
-# that survives a worker dying mid-rollback: the next claim reads it there. A cancel's reason
-# starts with "cancelled", as it always has (rows written by earlier versions read the same).
+# The stored rollback reason (agent_run.rollback_reason): words for a human, as they always read.
+# What the rollback ends as is stored beside it (agent_run.rollback_end, migration 0016), never
+# read back from these words; the "failed: " mark on a failure that starts like a cancel's stays
+# so that the words do not mislead a reader either.
 _CANCELLED = "cancelled"
 _FAILED = "failed: "
 
 
 def rollback_reason(end: RollbackEnd, why: str | None = None) -> str:
-    """The stored rollback reason of a rollback that ends as ``end``, for ``why``;
-    :func:`rollback_end` reads ``end`` back from it."""
+    """The stored rollback reason of a rollback that ends as ``end``, for ``why``."""
     if end == "cancelled":
         return _CANCELLED + (f": {why}" if why else " with rollback")
     why = why or "rolled back"
     # A failure whose own text starts like a cancel's is marked, so it cannot read as one.
     return _FAILED + why if why.startswith(_CANCELLED) else why
-
-
-def rollback_end(reason: str) -> RollbackEnd:
-    """What a rollback with the stored ``reason`` ends as (see :func:`rollback_reason`)."""
-    return "cancelled" if reason.startswith(_CANCELLED) else "failed"

@@ -447,11 +447,12 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
  ORDER BY e.seq DESC, e.call_index DESC;
 
 -- begin_rollback --
--- Mark the run as rolling back (the first reason stays). Fenced.
-UPDATE agent_run SET rollback_reason = coalesce(rollback_reason, %(reason)s)
+-- Mark the run as rolling back (the first reason and end stay: a requested rollback's). Fenced.
+UPDATE agent_run SET rollback_reason = coalesce(rollback_reason, %(reason)s),
+                     rollback_end = coalesce(rollback_end, %(end)s)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
-RETURNING rollback_reason;
+RETURNING rollback_reason, rollback_end;
 
 -- record_effect --
 -- Fenced like an append (the UPDATE matches only while this worker holds the run; it also renews
@@ -555,6 +556,7 @@ SELECT status, pending_call FROM agent_run WHERE id = %(run_id)s FOR UPDATE;
 -- and the next claim rolls it back.
 UPDATE agent_run
    SET rollback_reason = coalesce(rollback_reason, %(reason)s),
+       rollback_end = coalesce(rollback_end, %(end)s),
        status = CASE WHEN status = 'waiting_approval' THEN 'pending' ELSE status END,
        wait_reason = CASE WHEN status = 'waiting_approval' THEN NULL ELSE wait_reason END,
        pending_call = CASE WHEN status = 'waiting_approval' THEN NULL ELSE pending_call END
@@ -616,7 +618,7 @@ SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
 UPDATE agent_run r
    SET status = 'pending', lease_owner = NULL, lease_until = NULL,
        stalled_attempts = 0, claim_seq = r.next_seq,
-       rollback_reason = NULL, result = NULL, finished_at = NULL,
+       rollback_reason = NULL, rollback_end = NULL, result = NULL, finished_at = NULL,
        retried_error = r.error, error = NULL,
        retries = r.retries + 1, retry_reason = %(reason)s
  WHERE r.id = %(run_id)s

@@ -180,9 +180,12 @@ CREATE TABLE public.agent_run (
     cache_read_tokens bigint DEFAULT 0 NOT NULL,
     cache_write_tokens bigint DEFAULT 0 NOT NULL,
     cost_usd double precision DEFAULT 0 NOT NULL,
+    rollback_end text,
     CONSTRAINT agent_run_k8s_identity CHECK ((((k8s_name IS NULL) = (k8s_namespace IS NULL)) AND ((k8s_uid IS NULL) OR (k8s_name IS NOT NULL)))),
     CONSTRAINT agent_run_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT agent_run_max_steps_check CHECK ((max_steps > 0)),
+    CONSTRAINT agent_run_rollback_end_check CHECK ((rollback_end = ANY (ARRAY['cancelled'::text, 'failed'::text]))),
+    CONSTRAINT agent_run_rollback_end_with_reason CHECK (((rollback_end IS NULL) = (rollback_reason IS NULL))),
     CONSTRAINT agent_run_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'running'::text, 'waiting_approval'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead_letter'::text])))
 );
 
