@@ -20,6 +20,7 @@ from agentrun.vocabulary import (
     RUN_STATUSES,
     STEP_KINDS,
     TERMINAL_STATUSES,
+    HandoverKind,
     RollbackEnd,
     rollback_reason,
 )
@@ -46,7 +47,8 @@ async def test_the_database_checks_allow_exactly_the_vocabulary(store: Store) ->
     async with await psycopg.AsyncConnection.connect(store.url) as conn:
         cur = await conn.execute(
             "SELECT conrelid::regclass::text, pg_get_constraintdef(oid) FROM pg_constraint"
-            " WHERE contype = 'c' AND conrelid::regclass::text IN ('agent_run', 'agent_step')"
+            " WHERE contype = 'c'"
+            " AND conrelid::regclass::text IN ('agent_run', 'agent_step', 'run_handover')"
         )
         checks = await cur.fetchall()
     status = [d for table, d in checks if table == "agent_run" and "status" in d
@@ -55,6 +57,13 @@ async def test_the_database_checks_allow_exactly_the_vocabulary(store: Store) ->
     assert len(status) == 1 and len(kind) == 1, checks
     assert _check_values(status[0]) == set(RUN_STATUSES)
     assert _check_values(kind[0]) == set(STEP_KINDS)
+    handover = [d for table, d in checks if table == "run_handover" and "kind" in d]
+    assert len(handover) == 1, checks
+    assert _check_values(handover[0]) == set(get_args(HandoverKind))
+    rollback = [d for table, d in checks if table == "agent_run" and "'cancelled'" in d
+                and "rollback_end" in d]
+    assert len(rollback) == 1, checks
+    assert _check_values(rollback[0]) == set(get_args(RollbackEnd))
 
 
 @pytest.mark.parametrize("end", get_args(RollbackEnd))

@@ -71,6 +71,7 @@ from agentrun.sql import queries
 from agentrun.vocabulary import (
     TERMINAL_STATUSES,
     EffectState,
+    HandoverKind,
     RollbackEnd,
     RunStatus,
     StepKind,
@@ -466,7 +467,7 @@ class Handover:
     lease's end."""
 
     epoch: int
-    kind: str
+    kind: HandoverKind
     from_worker: str
     to_worker: str | None
     step: int
@@ -487,7 +488,7 @@ class Lease:
 class Step:
     run_id: UUID
     seq: int
-    kind: str
+    kind: StepKind
     payload: Any
     request_id: str | None
     lease_epoch: int
@@ -821,7 +822,7 @@ class Store:
         self,
         *,
         pool: str | None = None,
-        status: str | None = None,
+        status: RunStatus | None = None,
         limit: int = 100,
         namespace: str | None = None,
     ) -> list[Run]:

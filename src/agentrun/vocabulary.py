@@ -37,6 +37,10 @@ PHASES: Final[tuple[Phase, ...]] = RUN_STATUSES
 StepKind = Literal["model_turn", "tool_result", "user", "note", "compensation"]
 STEP_KINDS: Final[tuple[StepKind, ...]] = get_args(StepKind)
 
+#: How a run changed hands (``run_handover.kind``): its holder released it, or the holder's
+#: lease ran out and another claim took it.
+HandoverKind = Literal["handed_over", "lease_expired"]
+
 #: An irreversible call's recorded effect: its intent (before the call) or its outcome.
 EffectState = Literal["intent", "done"]
 
