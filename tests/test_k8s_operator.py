@@ -607,6 +607,9 @@ async def test_the_chart_installs_its_pools_at_min_replicas_not_the_api_default(
     assert default["scaleDownDelaySeconds"] == 3 and default["minReplicas"] == 0
     op = operators.start(pools=[pool(release, scaleDownDelaySeconds=300)])
     await eventually(lambda: replicas(cluster, workers) == 0, 30, "minReplicas at once")
+    # Counted once the patch returns to the operator: a moment after the API server shows it.
+    await eventually(lambda: op.metric("agentrun_scaling_decisions_total", pool="default",
+                                       direction="down") is not None, 10, "the decision counted")
     assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="down") == 1
     # From now on the count is a decision (the scale bumped the generation): delays apply.
     assert (cluster.deployment(workers) or {})["metadata"]["generation"] == 2
@@ -646,6 +649,9 @@ async def test_scaling_from_zero_up_with_depth_capped_and_down_after_the_delay(
     waited = time.monotonic() - t2
     assert waited >= 3.0, waited  # the pool's scaleDownDelaySeconds
     assert replicas(cluster, "fixed") == 5
+    # The last decision is counted once its patch returns: a moment after the API server shows it.
+    await eventually(lambda: op.metric("agentrun_scaling_decisions_total", pool="default",
+                                       direction="down") == 2, 10, "the last decision counted")
     assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="up") == 3
     # One down at start (the API default 1 -> minReplicas 0), one after the delay.
     assert op.metric("agentrun_scaling_decisions_total", pool="default", direction="down") == 2
