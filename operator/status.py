@@ -304,7 +304,19 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
             and (old.status, old.worker) != ("running", new.worker)
         )
     )
-    if claimed_again:
+    # A hand-over whose claim the operator never saw running: the new holder finished the run
+    # (or it waits for a human) before the operator looked. The store's record of the claim
+    # still tells it, and a drained pod's runs must each say they were handed over (seen on a
+    # real node under load: the drain's runs ended before the operator's next look).
+    handed_unseen = (
+        not claimed_again
+        and old is not None
+        and 0 <= old.epoch < new.epoch
+        and new.status != "running"
+        and (run.handover or {}).get("epoch") == run.lease_epoch
+        and (run.handover or {}).get("kind") in ("handed_over", "lease_expired")
+    )
+    if claimed_again or handed_unseen:
         out.append(_claim_event(run))
     waits_anew = new.status == "waiting_approval" and (
         old is None or old.status != new.status or old.pending_seq != new.pending_seq
@@ -344,16 +356,17 @@ def _claim_event(run: Run) -> Event:
     h = run.handover or {}
     if h.get("epoch") != run.lease_epoch:
         h = {}  # a record of an earlier claim: this one followed no holder (abandon, approval)
+    taker = h.get("to") or run.lease_owner  # the record's: a finished run has no holder
     if h.get("kind") == "handed_over":
         return Event(
             "Normal", Reason.HANDED_OVER,
             one_line(f"{h.get('from')} handed the run over at step {h.get('step')}; resumed by "
-                     f"{run.lease_owner} (attempt {run.attempt})", 1000),
+                     f"{taker} (attempt {run.attempt})", 1000),
         )
     if h.get("kind") == "lease_expired":
         return Event(
             "Warning", Reason.LEASE_EXPIRED,
-            one_line(f"{h.get('from')} stopped renewing its lease; resumed by {run.lease_owner} "
+            one_line(f"{h.get('from')} stopped renewing its lease; resumed by {taker} "
                      f"at step {h.get('step')} (attempt {run.attempt})", 1000),
         )
     if run.lease_epoch > 1:  # every claim bumps the epoch

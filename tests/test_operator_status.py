@@ -59,6 +59,26 @@ def test_only_an_expired_lease_is_a_warning() -> None:
     assert e.message == "w1 stopped renewing its lease; resumed by w2 at step 3 (attempt 2)"
 
 
+def test_a_hand_over_seen_only_once_the_run_finished_is_still_told() -> None:
+    # The new holder finished the run before the operator looked (a drain on a loaded node):
+    # the mirror goes from w1's claim straight to succeeded. The claim's record still says it.
+    done = run(status="succeeded", lease_owner=None, lease_epoch=2, attempt=1, next_seq=17,
+               claim_seq=3, result="ok", handover=handover("handed_over", 2, 3))
+    events = transitions(Snapshot("running", 1, "w1", 1), done)
+    assert [(e.type, e.reason) for e in events] == [("Normal", "HandedOver"),
+                                                    ("Normal", "Finished")]
+    assert events[0].message == "w1 handed the run over at step 3; resumed by w2 (attempt 1)"
+    expired = run(status="succeeded", lease_owner=None, lease_epoch=2, attempt=2, next_seq=17,
+                  claim_seq=3, result="ok", handover=handover("lease_expired", 2, 3))
+    assert reasons(Snapshot("running", 1, "w1", 1), expired) == [
+        ("Warning", "LeaseExpired"), ("Normal", "Finished")]
+    # A record of an earlier claim says nothing of this one; the same epoch, nothing new.
+    earlier = run(status="succeeded", lease_owner=None, lease_epoch=3, attempt=1, next_seq=17,
+                  result="ok", handover=handover("handed_over", 2, 3))
+    assert reasons(Snapshot("running", 1, "w1", 1), earlier) == [("Normal", "Finished")]
+    assert reasons(Snapshot("running", 2, "w2", 1), done) == [("Normal", "Finished")]
+
+
 def test_after_an_operator_restart_the_step_named_is_the_hand_overs_not_the_current_one() -> None:
     # The restarted operator knows the object's old status only; the run moved on since.
     before = run(status="running", lease_owner="w1", lease_epoch=1, attempt=1, next_seq=3)
