@@ -33,6 +33,7 @@ from uuid import UUID
 import psycopg
 from psycopg.types.json import Jsonb
 
+from agentrun.manifests import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_STEPS
 from agentrun.sql import queries
 from agentrun.store import Lease, Store
 from benchmarks.throwaway_db import throwaway_database
@@ -115,16 +116,17 @@ def add_runs(conn: psycopg.Connection[Any], pool: str, n: int, *, held_by: str |
     """``n`` runs of ``pool`` created ``age_s`` seconds ago (a millisecond apart): running under
     an hour's lease of ``held_by``, or pending if None."""
     conn.execute(
-        "INSERT INTO agent_run (pool, task, model, agent_spec, status, lease_owner, lease_until,"
-        " lease_epoch, attempt, created_at)"
-        " SELECT %(pool)s, 'bench', 'bench', %(spec)s,"
+        "INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, status,"
+        " lease_owner, lease_until, lease_epoch, attempt, created_at)"
+        " SELECT %(pool)s, 'bench', 'bench', %(spec)s, %(max_steps)s, %(max_attempts)s,"
         " CASE WHEN %(owner)s::text IS NULL THEN 'pending' ELSE 'running' END, %(owner)s,"
         " CASE WHEN %(owner)s::text IS NULL THEN NULL ELSE now() + interval '1 hour' END,"
         " CASE WHEN %(owner)s::text IS NULL THEN 0 ELSE 1 END,"
         " CASE WHEN %(owner)s::text IS NULL THEN 0 ELSE 1 END,"
         " now() - make_interval(secs => %(age)s) + i * interval '1 millisecond'"
         " FROM generate_series(1, %(n)s) AS i",
-        {"pool": pool, "spec": SPEC, "owner": held_by, "age": age_s, "n": n},
+        {"pool": pool, "spec": SPEC, "owner": held_by, "age": age_s, "n": n,
+         "max_steps": DEFAULT_MAX_STEPS, "max_attempts": DEFAULT_MAX_ATTEMPTS},
     )
 
 
@@ -201,18 +203,16 @@ class CountingStore(Store):
         super().__init__(*args, **kwargs)
         self.counts = {"renewals": 0, "statements": 0}
 
-    async def renew_all(
-        self, leases: Sequence[Lease], *, ttl: float | None = None
-    ) -> dict[UUID, Exception]:
-        lost = await super().renew_all(leases, ttl=ttl)
+    async def renew_all(self, leases: Sequence[Lease]) -> dict[UUID, Exception]:
+        lost = await super().renew_all(leases)
         self.counts["renewals"] += 1
         # renew_leases, and fence_states when some were lost
         self.counts["statements"] += 1 + bool(lost)
         return lost
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Any:
+    async def renew(self, lease: Lease) -> Any:
         self.counts["statements"] += 1
-        return await super().renew(lease, ttl=ttl)
+        return await super().renew(lease)
 
 
 async def heartbeat_load(url: str, held_runs: int = 100, lease_ttl: float = 3.0,
@@ -235,7 +235,8 @@ async def heartbeat_load(url: str, held_runs: int = 100, lease_ttl: float = 3.0,
         spec = AgentSpec(model="bench", system="bench")
         for i in range(held_runs):
             await store.create_run(f"held #{i}", spec)
-        claimed = (await store.claim("default", "bench-w", held_runs, ttl=lease_ttl)).claimed
+        held = store.with_lease_ttl(lease_ttl)
+        claimed = (await held.claim("default", "bench-w", held_runs)).claimed
         if len(claimed) != held_runs:
             raise RuntimeError(f"claimed {len(claimed)} of {held_runs} runs")
         idle = asyncio.Event()

@@ -71,7 +71,7 @@ async def _round(store: Store, executor: RunExecutor, runs: int, pool: str) -> t
     """Steps committed, CPU seconds and wall seconds of ``runs`` runs advanced together."""
     for i in range(runs):
         await store.create_run(f"cpu bench {i}", AGENT, pool=pool)
-    claimed = (await store.claim(pool, "cpu-bench", runs, ttl=120)).claimed
+    claimed = (await store.with_lease_ttl(120).claim(pool, "cpu-bench", runs)).claimed
     assert len(claimed) == runs, len(claimed)
     handles = [RunHandle(run, lease, lease_ttl=120) for run, lease in claimed]
     cpu0, wall0 = time.process_time(), time.perf_counter()

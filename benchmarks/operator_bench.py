@@ -417,11 +417,11 @@ def scale_from_zero_real(preset: str = "small", admin_url: str | None = None) ->
 
 
 async def _progress(url: str, n: int, steps: int) -> None:
-    store = await Store.open(url, max_size=16)
+    store = await Store.open(url, max_size=16, lease_ttl=600)
     try:
         claimed = []
         while len(claimed) < n:
-            got = (await store.claim("default", "bench-worker", limit=100, ttl=600)).claimed
+            got = (await store.claim("default", "bench-worker", limit=100)).claimed
             if not got:
                 await asyncio.sleep(0.05)
                 continue
@@ -436,7 +436,6 @@ async def _progress(url: str, n: int, steps: int) -> None:
                     {"content": []},
                     input_tokens=10,
                     output_tokens=2,
-                    ttl=600,
                 )
             await store.finish(lease, "succeeded", result="ok")
 

@@ -63,16 +63,16 @@ YOUNG_FINISHED = 5
 SAMPLE_INTERVAL = 0.02
 
 FILL_RUNS = """
-INSERT INTO agent_run (pool, task, model, agent_spec, status, attempt, next_seq, result, error,
-                       created_at, started_at, finished_at)
-SELECT %(pool)s, 'finished run ' || g, t.model, t.agent_spec,
+INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, status, attempt,
+                       next_seq, result, error, created_at, started_at, finished_at)
+SELECT %(pool)s, 'finished run ' || g, t.model, t.agent_spec, t.max_steps, t.max_attempts,
        CASE WHEN g %% 10 = 0 THEN 'failed' ELSE 'succeeded' END, 1, %(per_run)s,
        CASE WHEN g %% 10 = 0 THEN NULL ELSE 'done' END,
        CASE WHEN g %% 10 = 0 THEN 'failed' END,
        t.created - g * interval '1 second', t.created - g * interval '1 second',
        t.finished - g * interval '1 second'
   FROM generate_series(1, %(runs)s) g,
-       (SELECT model, agent_spec, now() - %(age)s::interval AS created,
+       (SELECT model, agent_spec, max_steps, max_attempts, now() - %(age)s::interval AS created,
                now() - %(age)s::interval + interval '1 hour' AS finished
           FROM agent_run WHERE id = %(template)s) t
 """
@@ -177,14 +177,14 @@ async def live_runs(url: str, store: Store, n: int) -> tuple[list[Lease], UUID]:
     """``n`` claimed live runs with their first steps (half created days ago), and a pending
     run with 5 steps that nobody holds."""
     ids = [(await store.create_run(f"live {i}", AGENT, pool="live"))[0].id for i in range(n)]
-    claimed = await store.claim("live", "writer", limit=n, ttl=3600)
+    claimed = await store.with_lease_ttl(3600).claim("live", "writer", limit=n)
     leases = [lease for _, lease in claimed.claimed]
     assert len(leases) == n, f"claimed {len(leases)} of {n} live runs"
     for lease in leases:
         for seq in range(LIVE_INITIAL_STEPS):
             await store.append_step(lease, seq, "note", {"live": seq})
     parked, _ = await store.create_run("parked", AGENT, pool="parked")
-    ((_, p),) = (await store.claim("parked", "writer", limit=1, ttl=3600)).claimed
+    ((_, p),) = (await store.with_lease_ttl(3600).claim("parked", "writer", limit=1)).claimed
     for seq in range(5):
         await store.append_step(p, seq, "note", {"parked": seq})
     await store.release(p)  # pending again: live, held by nobody

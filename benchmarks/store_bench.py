@@ -141,7 +141,8 @@ async def bench(url: str, steps: int, runs: int) -> list[dict[str, Any]]:
             leases: list[Lease] = []
             for _ in range(writers * 3):
                 await store.create_run("bench", AGENT, pool=f"append{writers}")
-            claimed = await store.claim(f"append{writers}", "bench", limit=writers * 3, ttl=600)
+            claimed = await store.with_lease_ttl(600).claim(
+                f"append{writers}", "bench", limit=writers * 3)
             leases = [lease for _, lease in claimed.claimed]
             store_leases, raw1_leases, raw4_leases = (
                 leases[:writers],
@@ -297,7 +298,7 @@ async def transactions_per_append(url: str, appends: int = 300) -> float:
 
     async with await Store.open(url, max_size=1) as setup:
         await setup.create_run("bench", AGENT, pool="xacts")
-        ((_, lease),) = (await setup.claim("xacts", "bench", limit=1, ttl=600)).claimed
+        ((_, lease),) = (await setup.with_lease_ttl(600).claim("xacts", "bench", limit=1)).claimed
     # A backend flushes its statistics when it exits (when idle, only every 10 s or so): every
     # connection to the database is closed before each reading. What opening the store costs
     # (a connection check) is counted against the appends: a few in a few hundred.
@@ -319,7 +320,7 @@ async def follower_bench(url: str, steps: int = 2000, repeat: int = 3) -> dict[s
     async with await Store.open(url, max_size=2) as store:
         for _ in range(writers):
             await store.create_run("bench", AGENT, pool="followers")
-        claimed = await store.claim("followers", "bench", limit=writers, ttl=3600)
+        claimed = await store.with_lease_ttl(3600).claim("followers", "bench", limit=writers)
         leases = [lease for _, lease in claimed.claimed]
         conns = [
             await psycopg.AsyncConnection.connect(url, autocommit=True, prepare_threshold=0)

@@ -168,7 +168,7 @@ async def seed_loop(client: anthropic.AsyncAnthropic, task: str) -> int:
 
 async def durable_loop(store: Store, executor: RunExecutor, task: str) -> int:
     run, _ = await store.create_run(task, AGENT, pool="bench")
-    ((claimed, lease),) = (await store.claim("bench", "bench-worker", 1, ttl=60)).claimed
+    ((claimed, lease),) = (await store.with_lease_ttl(60).claim("bench", "bench-worker", 1)).claimed
     await executor.advance(RunHandle(claimed, lease, lease_ttl=60))
     return sum(1 for s in await store.steps(run.id) if s.kind == "model_turn")
 

@@ -50,7 +50,7 @@ def test_the_claim_takes_a_pending_run_past_held_runs_without_reading_them(
 
 async def test_an_empty_claim_says_when_another_workers_lease_runs_out(store: Store) -> None:
     await store.create_run("held elsewhere", AGENT)
-    assert (await store.claim("default", "other", 1, ttl=30)).claimed
+    assert (await store.with_lease_ttl(30).claim("default", "other", 1)).claimed
     empty = await store.claim("default", "w", 1)
     assert empty.claimed == [] and empty.next_expiry is not None
     assert 25 < empty.next_expiry <= 30
@@ -66,7 +66,7 @@ async def test_one_statement_renews_the_held_runs_and_drops_a_zombie(
 ) -> None:
     for i in range(4):
         await store.create_run(f"held #{i}", AGENT)
-    claimed = (await store.claim("default", "w", 4, ttl=5)).claimed
+    claimed = (await store.with_lease_ttl(5).claim("default", "w", 4)).claimed
     leases = {run.task: lease for run, lease in claimed}
     zombie, cancelled = leases["held #0"], leases["held #1"]
     # held #0's lease runs out and another worker claims it (its epoch is bumped): w is a zombie.
@@ -82,9 +82,9 @@ async def test_one_statement_renews_the_held_runs_and_drops_a_zombie(
     renewals: list[int] = []
     original = store.renew_all
 
-    async def counted(ls: Sequence[Any], *, ttl: float | None = None) -> Any:
+    async def counted(ls: Sequence[Any]) -> Any:
         renewals.append(len(ls))
-        return await original(ls, ttl=ttl)
+        return await original(ls)
 
     store.renew_all = counted  # type: ignore[method-assign]
     worker = Worker(store, client, ToolRegistry(), settings)

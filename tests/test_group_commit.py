@@ -68,7 +68,8 @@ async def held_runs(store: Store, n: int, worker: str = "w1") -> list[Lease]:
     pool = f"gc-{worker}-{n}"
     for i in range(n):
         await store.create_run(f"task {i}", AGENT, pool=pool)
-    claimed = (await store.claim(pool, worker, limit=n, ttl=10)).claimed  # < the append TTL
+    # A TTL below the appends' own.
+    claimed = (await store.with_lease_ttl(10).claim(pool, worker, limit=n)).claimed
     assert len(claimed) == n
     return [lease for _, lease in claimed]
 

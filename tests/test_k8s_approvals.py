@@ -159,7 +159,7 @@ async def waiting_run(kube: Kube, store: Store, name: str, seq: int = 0) -> Run:
     rid = await eventually(
         lambda: ((kube.agentrun(name) or {}).get("status") or {}).get("runId"), 30,
         f"{name} to get a run")
-    claimed = (await store.claim("default", "w", limit=10, ttl=60)).claimed
+    claimed = (await store.with_lease_ttl(60).claim("default", "w", limit=10)).claimed
     [lease] = [lease for _, lease in claimed if str(lease.run_id) == rid]
     call = {"seq": seq, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
             "stage": "before_call"}

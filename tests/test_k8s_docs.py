@@ -296,7 +296,7 @@ async def _waiting_run(shell: DocShell, kube: Kube, store: Store, name: str) -> 
     shell.run("kubectl apply -f examples/migrate-orders.yaml")
     run = await store.get_run(await eventually(
         lambda: (rid := run_id()) and rid != str(run.id) and rid, 30, f"{name}'s new run"))
-    claimed = (await store.claim(run.pool, "docs-worker", ttl=300)).claimed
+    claimed = (await store.with_lease_ttl(300).claim(run.pool, "docs-worker")).claimed
     [lease] = [lease for _, lease in claimed if lease.run_id == run.id]
     seq = run.next_seq
     call = {"seq": seq, "call_index": 0, "tool": "write_production",
@@ -377,7 +377,7 @@ async def test_operator_doc(
                                         or {}).get("runId"), 30, "the run")
         run = await store.get_run(rid)
         if not run.finished:
-            claimed = (await store.claim(run.pool, "docs-worker", ttl=60)).claimed
+            claimed = (await store.with_lease_ttl(60).claim(run.pool, "docs-worker")).claimed
             [lease] = [lease for _, lease in claimed if lease.run_id == run.id]
             await store.finish(lease, "succeeded", result="migrated")
         await wait_run(store, run.id, lambda r: r.status == "succeeded", 10)

@@ -172,15 +172,15 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     assert status(cluster, "follow")["model"] == "claude-sonnet-4-5"
 
     # Claimed by a, two steps, then a goes silent: its lease runs out, b resumes.
-    [(_, lease_a)] = (await store.claim("default", "worker-a", ttl=0.5)).claimed
+    [(_, lease_a)] = (await store.with_lease_ttl(0.5).claim("default", "worker-a")).claimed
     await eventually(lambda: status(cluster, "follow").get("phase") == "running", 10, "running")
     assert status(cluster, "follow")["worker"] == "worker-a"
     turn = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
-    await store.append_step(
-        lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7, ttl=0.5,
+    await store.with_lease_ttl(0.5).append_step(
+        lease_a, 0, "model_turn", turn, input_tokens=120, output_tokens=7,
         cache_read_tokens=900, cache_write_tokens=60, cost_usd=0.001234567,
     )
-    await store.append_step(lease_a, 1, "tool_result", {"content": []}, ttl=0.5)
+    await store.with_lease_ttl(0.5).append_step(lease_a, 1, "tool_result", {"content": []})
     # Steps are not notified; the resync (1 s in tests) brings them.
     await eventually(lambda: status(cluster, "follow").get("step") == 2, 10, "step 2")
     assert status(cluster, "follow")["tokens"] == {
@@ -188,7 +188,7 @@ async def test_status_follows_the_run_and_events_mark_its_transitions(
     }
     assert status(cluster, "follow")["costUSD"] == 0.001235  # micro-dollars
     await asyncio.sleep(0.6)
-    [(_, lease_b)] = (await store.claim("default", "worker-b", ttl=30)).claimed
+    [(_, lease_b)] = (await store.with_lease_ttl(30).claim("default", "worker-b")).claimed
     await eventually(lambda: status(cluster, "follow").get("worker") == "worker-b", 10, "worker b")
     assert status(cluster, "follow")["attempt"] == 2
     await store.append_step(lease_b, 2, "model_turn", turn)
@@ -232,7 +232,7 @@ def events_of(cluster: Kube, name: str, reason: str) -> list[dict[str, Any]]:
 async def steps(store: Store, lease: Any, seqs: range) -> None:
     turn = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
     for seq in seqs:
-        await store.append_step(lease, seq, "model_turn", turn, ttl=30)
+        await store.with_lease_ttl(30).append_step(lease, seq, "model_turn", turn)
 
 
 async def test_a_graceful_hand_over_is_a_normal_event_and_only_an_expired_lease_a_warning(
@@ -246,13 +246,13 @@ async def test_a_graceful_hand_over_is_a_normal_event_and_only_an_expired_lease_
     cluster.apply_agent(agent_manifest())
     cluster.apply_agentrun(agentrun_manifest("hands"))
     run = await run_of(store, cluster, "hands")
-    [(_, a)] = (await store.claim("default", "worker-a", ttl=30)).claimed
+    [(_, a)] = (await store.with_lease_ttl(30).claim("default", "worker-a")).claimed
     await steps(store, a, range(2))
     await eventually(lambda: status(cluster, "hands").get("step") == 2, 15, "step 2 mirrored")
 
     # A drain: a releases, b claims at once (inside one flush window).
     assert await store.release(a)
-    [(_, b)] = (await store.claim("default", "worker-b", ttl=0.5)).claimed
+    [(_, b)] = (await store.with_lease_ttl(0.5).claim("default", "worker-b")).claimed
     [handed] = await eventually(lambda: events_of(cluster, "hands", "HandedOver"), 15,
                                 "the HandedOver event")
     assert handed["type"] == "Normal"
@@ -260,10 +260,11 @@ async def test_a_graceful_hand_over_is_a_normal_event_and_only_an_expired_lease_
         "(attempt 1)"
 
     # b goes silent: its lease runs out, c takes the run over.
-    await store.append_step(b, 2, "model_turn", {"role": "assistant", "content": []}, ttl=0.5)
+    await store.with_lease_ttl(0.5).append_step(
+        b, 2, "model_turn", {"role": "assistant", "content": []})
     await wait_run(store, run.id, lambda r: r.lease_until is not None and
                    r.lease_until.timestamp() < time.time() - 0.1, 10)
-    [(_, c)] = (await store.claim("default", "worker-c", ttl=30)).claimed
+    [(_, c)] = (await store.with_lease_ttl(30).claim("default", "worker-c")).claimed
     [expired] = await eventually(lambda: events_of(cluster, "hands", "LeaseExpired"), 15,
                                  "the LeaseExpired event")
     assert expired["type"] == "Warning"
@@ -275,7 +276,7 @@ async def test_a_graceful_hand_over_is_a_normal_event_and_only_an_expired_lease_
     op.stop()
     await steps(store, c, range(3, 5))
     assert await store.release(c)
-    [(_, d)] = (await store.claim("default", "worker-d", ttl=30)).claimed
+    [(_, d)] = (await store.with_lease_ttl(30).claim("default", "worker-d")).claimed
     await steps(store, d, range(5, 9))
     operators.start()
     later = await eventually(
@@ -387,7 +388,7 @@ async def test_cancel_annotation_never_interrupts_a_rollback(
     cluster.apply_agent(agent_manifest())
     cluster.apply_agentrun(agentrun_manifest("undo-me"))
     run = await run_of(store, cluster, "undo-me")
-    ((_, lease),) = (await store.claim("default", "holder", ttl=60)).claimed
+    ((_, lease),) = (await store.with_lease_ttl(60).claim("default", "holder")).claimed
     await store.begin_rollback(lease, "tool charge failed: card declined")  # compensating now
     cluster.annotate("undo-me", {"agentrun.dev/cancel": "true"})
 
@@ -414,7 +415,7 @@ async def test_approve_and_reject_annotations_unblock_a_waiting_run(
     # The operator creates the two runs in whichever order kopf handles the objects: claim both,
     # then match each lease to its object.
     leases = {lease.run_id: lease for _, lease in (
-        await store.claim("default", "w", limit=2, ttl=30)).claimed}
+        await store.with_lease_ttl(30).claim("default", "w", limit=2)).claimed}
     for run in runs.values():
         lease = leases[run.id]
         call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
@@ -454,7 +455,7 @@ async def test_delete_lets_the_object_go_at_once_cancels_the_run_and_keeps_the_h
     cluster.apply_agent(agent_manifest())
     cluster.apply_agentrun(agentrun_manifest("gone"))
     run = await run_of(store, cluster, "gone")
-    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
     await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []})
     obj = cluster.agentrun("gone") or {}
     assert not obj["metadata"].get("finalizers"), "no finalizer: a delete never waits for us"
@@ -480,7 +481,7 @@ async def test_finished_agentruns_carry_no_finalizer_and_their_namespace_goes_wi
         cluster.apply_agentrun(agentrun_manifest(name))
     runs = {name: await run_of(store, cluster, name) for name in names}
     leases = {lease.run_id: lease for _, lease in (
-        await store.claim("default", "w", limit=4, ttl=60)).claimed}
+        await store.with_lease_ttl(60).claim("default", "w", limit=4)).claimed}
     for name, end in zip(names[:3], ("succeeded", "failed", "cancelled"), strict=True):
         await store.finish(leases[runs[name].id], end,  # type: ignore[arg-type]
                            result="done" if end == "succeeded" else None,
@@ -534,9 +535,9 @@ async def test_dead_lettered_run_gets_a_warning_event(
     cluster.apply_agent(agent_manifest())
     cluster.apply_agentrun(agentrun_manifest("poison", maxAttempts=1))
     await run_of(store, cluster, "poison")
-    await store.claim("default", "w1", ttl=0.3)
+    await store.with_lease_ttl(0.3).claim("default", "w1")
     await asyncio.sleep(0.5)
-    result = await store.claim("default", "w2", ttl=30)
+    result = await store.with_lease_ttl(30).claim("default", "w2")
     assert [r.k8s_name for r in result.dead_lettered] == ["poison"]
     await eventually(lambda: status(cluster, "poison").get("phase") == "dead_letter", 10, "dl")
     await eventually(lambda: "DeadLettered" in cluster.reasons("poison"), 10, "event")
@@ -563,7 +564,7 @@ async def test_database_outage_is_a_condition_and_the_operator_recovers_without_
         assert cond["reason"] == "DatabaseUnavailable"
         await eventually(lambda: op.metric("agentrun_operator_db_up") == 0, 10, "db_up 0")
         # The run moves on meanwhile (workers reach the database; the operator does not).
-        [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+        [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
         await store.finish(lease, "succeeded", result="done while the operator was blind")
 
         proxy.restore()
@@ -677,7 +678,7 @@ async def test_busy_worker_pods_get_a_higher_deletion_cost_and_helm_counts_win(
         30, "the ReplicaSet's two Pods")
     busy, idle = sorted(p["metadata"]["name"] for p in pods)
     # Worker ids are "<pod name>-<pid>-<random>"; the busy pod holds two runs.
-    claimed = (await store.claim("default", f"{busy}-7-beef", limit=2, ttl=60)).claimed
+    claimed = (await store.with_lease_ttl(60).claim("default", f"{busy}-7-beef", limit=2)).claimed
     assert len(claimed) == 2
 
     def cost(pod: str) -> str | None:
@@ -790,7 +791,7 @@ async def test_an_operator_restart_patches_nothing(
     for i in range(4):
         cluster.apply_agentrun(agentrun_manifest(f"r{i}"))
     runs = [await run_of(store, cluster, f"r{i}") for i in range(4)]
-    [(_, lease)] = (await store.claim("default", "w", ttl=60)).claimed
+    [(_, lease)] = (await store.with_lease_ttl(60).claim("default", "w")).claimed
     await store.finish(lease, "succeeded", result="done")
     await eventually(lambda: sorted(status(cluster, f"r{i}").get("phase") or "" for i in range(4))
                      == ["pending", "pending", "pending", "succeeded"], 15, "mirrored")
@@ -821,14 +822,14 @@ async def test_a_new_approval_wait_right_after_a_decision_gets_its_own_event(
     cluster.apply_agent(agent_manifest(requireApproval=True))
     cluster.apply_agentrun(agentrun_manifest("twice"))
     run = await run_of(store, cluster, "twice")
-    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
     call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "a"},
             "stage": "before_call"}
     await store.wait_for_approval(lease, "approval required before drop_table (step 0)", call)
     await eventually(lambda: "WaitingForApproval" in cluster.reasons("twice"), 15, "first wait")
     cluster.annotate("twice", {"agentrun.dev/approve": "0"})
     await wait_run(store, run.id, lambda r: r.status == "pending", 15)
-    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
     await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []})
     await store.append_step(lease, 1, "tool_result", {"content": []})
     call2 = {**call, "seq": 2, "input": {"table": "b"}}
@@ -939,7 +940,7 @@ async def test_status_carries_observed_generation_and_a_ready_condition(
     generation = obj["metadata"]["generation"]
     assert status(cluster, "ready")["observedGeneration"] == generation
     assert ready["observedGeneration"] == generation
-    [(_, lease)] = (await store.claim("default", "w", ttl=30)).claimed
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
     await store.finish(lease, "succeeded", result="ok")
     # kstatus / Argo CD / kubectl wait read Ready.
     cluster.kubectl("wait", "--for=condition=Ready", "agentrun/ready", "--timeout=30s")
@@ -969,22 +970,23 @@ async def test_a_run_dead_lettered_by_oom_kills_says_so(
             "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
             "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]}},
         "application/strategic-merge-patch+json")
-    [(_, lease)] = (await store.claim("default", f"{pod}-7-beef", ttl=0.3)).claimed
-    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
-                            ttl=0.3)
+    [(_, lease)] = (await store.with_lease_ttl(0.3).claim("default", f"{pod}-7-beef")).claimed
+    await store.with_lease_ttl(0.3).append_step(
+        lease, 0, "model_turn", {"role": "assistant", "content": []})
     # The worker "dies" in the tool (its lease, 0.3 s, runs out); the restarted one re-runs the
     # tool and dies again, committing nothing; the next claim finds the attempts spent (a claim
     # that committed a step, like the first, does not count against maxAttempts).
     resumed: list[Run] = []
     for _ in range(200):
-        resumed = [r for r, _ in (await store.claim("default", f"{pod}-8-cafe", ttl=0.3)).claimed]
+        claim = await store.with_lease_ttl(0.3).claim("default", f"{pod}-8-cafe")
+        resumed = [r for r, _ in claim.claimed]
         if resumed:
             break
         await asyncio.sleep(0.05)
     assert [r.k8s_name for r in resumed] == ["hungry"]
     dead: list[Run] = []
     for _ in range(200):
-        dead = (await store.claim("default", "other-worker-1-x", ttl=30)).dead_lettered
+        dead = (await store.with_lease_ttl(30).claim("default", "other-worker-1-x")).dead_lettered
         if dead:
             break
         await asyncio.sleep(0.05)
@@ -1005,13 +1007,13 @@ async def test_retry_annotation_makes_a_dead_lettered_run_pending_again_with_its
     cluster.apply_agent(agent_manifest())
     cluster.apply_agentrun(agentrun_manifest("again", maxAttempts=1))
     run = await run_of(store, cluster, "again")
-    [(_, lease)] = (await store.claim("default", "w1", ttl=0.3)).claimed
-    await store.append_step(lease, 0, "model_turn", {"role": "assistant", "content": []},
-                            ttl=0.3)
+    [(_, lease)] = (await store.with_lease_ttl(0.3).claim("default", "w1")).claimed
+    await store.with_lease_ttl(0.3).append_step(
+        lease, 0, "model_turn", {"role": "assistant", "content": []})
     # Claims once w1's lease is out: the first resumes (a step was committed), the next one
     # committed nothing and maxAttempts 1 dead-letters the run.
     deadline = time.monotonic() + 15
-    while not (await store.claim("default", "w2", ttl=0.3)).dead_lettered:
+    while not (await store.with_lease_ttl(0.3).claim("default", "w2")).dead_lettered:
         assert time.monotonic() < deadline, "the run was never dead-lettered"
         await asyncio.sleep(0.1)
     await eventually(lambda: status(cluster, "again").get("phase") == "dead_letter", 15, "dl")

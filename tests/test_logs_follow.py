@@ -70,7 +70,7 @@ async def follow(database_url: str) -> AsyncIterator[Any]:
 
 async def live_run(store: Store) -> Lease:
     await store.create_run("followed", AGENT, pool="follow")
-    ((_, lease),) = (await store.claim("follow", "tester", limit=1, ttl=600)).claimed
+    ((_, lease),) = (await store.with_lease_ttl(600).claim("follow", "tester", limit=1)).claimed
     return lease
 
 

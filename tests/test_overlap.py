@@ -69,7 +69,7 @@ def executor(store: Store, base_url: str, *, overlap: bool = True,
 
 async def claim(store: Store, task: str) -> RunHandle:
     await store.create_run(task, AGENT, pool="overlap")
-    ((claimed, lease),) = (await store.claim("overlap", "w", 1, ttl=60)).claimed
+    ((claimed, lease),) = (await store.with_lease_ttl(60).claim("overlap", "w", 1)).claimed
     return RunHandle(claimed, lease, lease_ttl=60)
 
 

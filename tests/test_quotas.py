@@ -99,12 +99,12 @@ async def test_an_expired_run_is_taken_back_at_its_quota_and_a_dead_letter_frees
 ) -> None:
     await store.set_quota("ns", 1)
     (run,) = await create(store, "ns", 1, max_attempts=2)
-    await store.claim("default", "dead-worker", limit=1, ttl=0.01)
+    await store.with_lease_ttl(0.01).claim("default", "dead-worker", limit=1)
     await create(store, "ns", 1)
     await until_lapsed(database_url, run)
     # At its quota, yet the expired run is taken over (it was counted when it started); the
     # pending one waits.
-    (taken,) = (await store.claim("default", "w2", limit=5, ttl=0.01)).claimed
+    (taken,) = (await store.with_lease_ttl(0.01).claim("default", "w2", limit=5)).claimed
     assert taken[0].id == run.id and await counters(store) == {"ns": 1}
     await until_lapsed(database_url, run)
     # Claimed twice without a step (maxAttempts 2): dead-lettered by the next claim, which

@@ -83,7 +83,8 @@ async def test_spare_slots_add_headroom_while_there_are_live_runs(store: Store) 
     assert d.reason == "scale up: 1 live runs + 4 spare slots need 2"
     for _ in range(3):
         await store.create_run("t", AGENT)
-    [(_, lease)] = (await store.claim("gpu", "w1", ttl=30)).claimed  # held runs count too
+    # held runs count too
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("gpu", "w1")).claimed
     four = (await store.pool_depth())["gpu"]
     assert (four.pending, four.running) == (3, 1)
     assert scaler.demand(four) == 2  # ceil((4 + 4) / 4)

@@ -215,8 +215,8 @@ def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
     def run(task: str, status: str, effects: dict[str, int] | None = None) -> str:
         rid = str(
             conn.execute(
-                "INSERT INTO agent_run (task, model, agent_spec, status) "
-                "VALUES (%s, 'm', '{}', %s) RETURNING id",
+                "INSERT INTO agent_run (task, model, agent_spec, status, max_steps, max_attempts)"
+                " VALUES (%s, 'm', '{}', %s, 50, 8) RETURNING id",
                 (task, status),
             ).fetchone()[0]  # type: ignore[index]
         )

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled, RunNotFound
-from agentrun.manifests import AgentSpec
+from agentrun.manifests import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_STEPS, AgentSpec
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     CHANNEL_RUN_READY,
@@ -236,8 +236,8 @@ async def test_release_hands_the_run_over_at_once_without_spending_an_attempt(
 
 async def test_renew_extends_the_lease(store: Store) -> None:
     await make_runs(store, 1)
-    ((run, lease),) = (await store.claim("default", "w1", ttl=2)).claimed
-    until = await store.renew(lease, ttl=60)
+    ((run, lease),) = (await store.with_lease_ttl(2).claim("default", "w1")).claimed
+    until = await store.with_lease_ttl(60).renew(lease)
     assert run.lease_until is not None and until > run.lease_until
 
 
@@ -376,3 +376,22 @@ async def test_each_decision_on_an_unknown_outcome_is_about_one_attempt(
     with pytest.raises(LeaseLost, match="claimed again"):
         await store.retry_intent(lease, 0, 0, 2)
     assert newer.epoch == lease.epoch + 1
+
+
+async def test_a_runs_limits_have_one_default_and_it_is_not_in_the_schema(
+    store: Store, database_url: str
+) -> None:
+    # The manifests' defaults are the only ones: create_run stores them, and the schema keeps no
+    # second copy that an insert leaving them out would quietly get (migration 0017).
+    run, _ = await store.create_run("defaults", AGENT)
+    assert (run.max_steps, run.max_attempts) == (DEFAULT_MAX_STEPS, DEFAULT_MAX_ATTEMPTS)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for column in ("max_steps", "max_attempts"):
+            default = conn.execute(
+                "SELECT column_default FROM information_schema.columns"
+                " WHERE table_name = 'agent_run' AND column_name = %s", (column,)
+            ).fetchone()
+            assert default == (None,), f"agent_run.{column} has a DEFAULT of its own: {default}"
+        with pytest.raises(psycopg.errors.NotNullViolation, match="max_steps"):
+            conn.execute("INSERT INTO agent_run (task, model, agent_spec, max_attempts)"
+                         " VALUES ('t', 'm', '{}', 1)")

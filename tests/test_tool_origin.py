@@ -77,7 +77,7 @@ async def test_a_failure_of_the_worker_before_the_call_drops_the_work_and_commit
     CALLS.clear()
     try:
         await store.create_run("echo once, then answer", AGENT, pool="origin")
-        ((run, lease),) = (await store.claim("origin", "w", 1, ttl=60)).claimed
+        ((run, lease),) = (await store.with_lease_ttl(60).claim("origin", "w", 1)).claimed
         h = store.handle = RunHandle(run, lease, lease_ttl=60)
         with pytest.raises(raised):
             await executor(store, srv.base_url).advance(h)

@@ -138,7 +138,7 @@ async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(
     worker = Worker(store, client, ToolRegistry(), settings)
     for task in ("wedged", "gone"):
         await store.create_run(task, AGENT)
-    claimed = (await store.claim("default", "w", 2, ttl=settings.lease_ttl)).claimed
+    claimed = (await store.with_lease_ttl(settings.lease_ttl).claim("default", "w", 2)).claimed
     handles = {run.task: RunHandle(run, lease, lease_ttl=settings.lease_ttl)
                for run, lease in claimed}
     handles["wedged"].task = asyncio.create_task(asyncio.Event().wait())

@@ -113,7 +113,7 @@ async def test_a_takeover_notification_of_a_newer_epoch_aborts_the_held_run_at_o
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("UPDATE agent_run SET lease_until = now() - interval '1 second' "
                      "WHERE id = %s", (run.id,))  # fmt: skip
-    result = await store.claim(run.pool, "b", 1, ttl=LONG_LEASE)
+    result = await store.with_lease_ttl(LONG_LEASE).claim(run.pool, "b", 1)
     assert [(r.id, lease.epoch) for r, lease in result.claimed] == [(run.id, 2)]
     # No renewal is due for 100 s and the tool call blocks: only the notification can tell it.
     await wait_for(lambda: "lease lost; in-flight work aborted" in w.output(), 30,

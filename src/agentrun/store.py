@@ -837,11 +837,11 @@ class Store:
             return await cur.fetchall()
 
     async def claim(
-        self, pool: str, worker: str, limit: int = 1, *, ttl: float | None = None
+        self, pool: str, worker: str, limit: int = 1
     ) -> ClaimResult:
         """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
         the namespaces' quotas."""
-        params = {"pool": pool, "worker": worker, "limit": limit, "ttl": ttl or self.lease_ttl}
+        params = {"pool": pool, "worker": worker, "limit": limit, "ttl": self.lease_ttl}
         rows, next_expiry = await self._claim_rows(params)
         claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
@@ -935,13 +935,13 @@ class Store:
         pinned: str = row[0]
         return pinned
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> datetime:
-        row = await self._fenced("renew_lease", lease, ttl=ttl)
+    async def renew(self, lease: Lease) -> datetime:
+        row = await self._fenced("renew_lease", lease)
         until: datetime = row[0]
         return until
 
     async def renew_all(
-        self, leases: Sequence[Lease], *, ttl: float | None = None
+        self, leases: Sequence[Lease]
     ) -> dict[UUID, Exception]:
         """Renew the leases of one worker in one statement, each fenced on its own epoch (the
         worker's heartbeat, whatever the number of runs it holds). Returns the runs not renewed,
@@ -956,7 +956,7 @@ class Store:
             "worker": workers.pop(),
             "run_ids": [lease.run_id for lease in leases],
             "epochs": [lease.epoch for lease in leases],
-            "ttl": ttl if ttl is not None else self.lease_ttl,
+            "ttl": self.lease_ttl,
         }
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["renew_leases"], params)
@@ -978,7 +978,6 @@ class Store:
         payload: Any,
         *,
         request_id: str | None = None,
-        ttl: float | None = None,
         input_tokens: int = 0,
         output_tokens: int = 0,
         cache_read_tokens: int = 0,
@@ -1002,7 +1001,7 @@ class Store:
             kind,
             Jsonb(payload),
             request_id,
-            ttl or self.lease_ttl,
+            self.lease_ttl,
             input_tokens,
             output_tokens,
             cache_read_tokens,
@@ -1525,6 +1524,8 @@ class Store:
     # -- internals -----------------------------------------------------------------------------
 
     def _fence_params(self, lease: Lease, *, ttl: float | None = None) -> dict[str, Any]:
+        """The fence of ``lease``; ``ttl`` is the TTL a queued append was made with (the
+        group commit's batch mixes the appends of views with other TTLs)."""
         return {
             "run_id": lease.run_id,
             "worker": lease.worker,
@@ -1539,7 +1540,6 @@ class Store:
         lease: Lease,
         *,
         required: Literal[True] = ...,
-        ttl: float | None = ...,
         **extra: Any,
     ) -> tuple[Any, ...]: ...
 
@@ -1550,7 +1550,6 @@ class Store:
         lease: Lease,
         *,
         required: Literal[False],
-        ttl: float | None = ...,
         **extra: Any,
     ) -> tuple[Any, ...] | None: ...
 
@@ -1560,12 +1559,11 @@ class Store:
         lease: Lease,
         *,
         required: bool = True,
-        ttl: float | None = None,
         **extra: Any,
     ) -> tuple[Any, ...] | None:
         """Run one fenced statement of queries.sql (it matches only while ``lease`` holds the
         running run). No match: None, or with ``required`` the error that says why."""
-        params = self._fence_params(lease, ttl=ttl)
+        params = self._fence_params(lease)
         params.update(extra)
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries[name], params)
