@@ -836,9 +836,7 @@ class Store:
             )
             return await cur.fetchall()
 
-    async def claim(
-        self, pool: str, worker: str, limit: int = 1
-    ) -> ClaimResult:
+    async def claim(self, pool: str, worker: str, limit: int = 1) -> ClaimResult:
         """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
         the namespaces' quotas."""
         params = {"pool": pool, "worker": worker, "limit": limit, "ttl": self.lease_ttl}
@@ -940,9 +938,7 @@ class Store:
         until: datetime = row[0]
         return until
 
-    async def renew_all(
-        self, leases: Sequence[Lease]
-    ) -> dict[UUID, Exception]:
+    async def renew_all(self, leases: Sequence[Lease]) -> dict[UUID, Exception]:
         """Renew the leases of one worker in one statement, each fenced on its own epoch (the
         worker's heartbeat, whatever the number of runs it holds). Returns the runs not renewed,
         each with the error a single renewal would have raised (:class:`LeaseLost`,
