@@ -70,6 +70,11 @@ from agentrun.vocabulary import TERMINAL_STATUSES
 log = logging.getLogger(__name__)
 
 
+#: What a per-object task (an approval's, a TTL's) retries with :func:`backoff`: an outage of
+#: the database or the API server, not a refusal.
+OUTAGES: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
+
+
 def backoff(attempt: int, cap: float = 30.0) -> float:
     """Exponential with full jitter: 0.5, 1, 2, 4 ... up to ``cap`` seconds."""
     return float(random.uniform(0.5, 1.0) * min(cap, 0.5 * 2 ** min(attempt, 10)))

@@ -41,7 +41,6 @@ from typing import Any
 from uuid import UUID
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from agentrun.errors import AgentrunError, DatabaseUnavailable
@@ -56,10 +55,10 @@ from agentrun.operator.api import (
     CondType,
     Reason,
 )
-from agentrun.operator.app import APP, OperatorApp, backoff, memo_get
+from agentrun.operator.app import APP, OUTAGES, OperatorApp, backoff, memo_get
 from agentrun.operator.kube import Gone, NotFound
 from agentrun.operator.status import Cond, Event, now_iso, one_line, set_condition
-from agentrun.store import DB_ERRORS, Approval, Store
+from agentrun.store import Approval, Store
 from agentrun.supervise import describe, watch
 from agentrun.vocabulary import VERDICTS
 
@@ -67,8 +66,6 @@ log = logging.getLogger(__name__)
 
 #: Phases after which the operator leaves an approval alone.
 DONE_PHASES = (ApprovalPhase.APPLIED, ApprovalPhase.REFUSED)
-#: What is retried (the approval stays Pending meanwhile): an outage, not a refusal.
-RETRIED: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
 
 
 def _ref(kind: str, namespace: str, name: str, uid: str) -> dict[str, Any]:
@@ -150,7 +147,7 @@ async def _apply(
                 raise
             except Gone:
                 return  # deleted meanwhile: nothing to report on
-            except RETRIED as exc:
+            except OUTAGES as exc:  # the approval stays Pending meanwhile
                 why = one_line(str(exc) or type(exc).__name__, 300)
                 if not waiting_said:  # once per approval, not once per retry
                     waiting_said = True

@@ -55,7 +55,7 @@ from agentrun.operator.api import (
     CondType,
     Reason,
 )
-from agentrun.operator.app import APP, OperatorApp, memo_get
+from agentrun.operator.app import APP, OUTAGES, OperatorApp, backoff, memo_get
 from agentrun.operator.kube import KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
@@ -459,38 +459,58 @@ async def actions(
 # put a finalizer on every object, and an AgentRun must never wait for the operator to be
 # deleted). Every event of a finished object with a TTL (the status mirror's patch that
 # shows it finished, or the watch's initial listing after an operator restart) makes sure
-# one task waits for its expiry, then deletes it.
+# one task waits for its expiry, then deletes it. The task outlives an outage of the database
+# or the API server at its expiry by retrying (said once per outage, with the run's id): a
+# finished object may see no other event that would schedule it again.
 async def expire(app: OperatorApp, expiries: Expiries, namespace: str, name: str, uid: str,
                  at: datetime, ttl: int, run_id: str | None) -> None:
     expiring, deleting = expiries.expiring, expiries.deleting
+    attempt, waiting_said = 0, False
     try:
         while True:
             await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
-            # The store decides, not the mirrored status (it may lag): a run retried since
-            # is live (its next finish schedules a new expiry), one that finished again
-            # counts from its new finish.
-            store = await app.ready_store()
-            if store is None:
-                raise DatabaseUnavailable("database unavailable")
-            run = await store.get_run_by_k8s_uid(uid)
-            if run is None or not run.finished or run.finished_at is None:
+            try:
+                later = await _expire_once(app, deleting, namespace, name, uid, ttl, run_id)
+            except OUTAGES as exc:
+                if not waiting_said:
+                    waiting_said = True
+                    log.warning("AgentRun %s/%s: not deleted after its TTL yet (%s); retrying",
+                                namespace, name, one_line(str(exc) or type(exc).__name__, 300),
+                                extra={"run_id": str(run_id)})
+                at = datetime.now(UTC) + timedelta(seconds=backoff(attempt))
+                attempt += 1
+                continue
+            if later is None:
                 return
-            at = run.finished_at + timedelta(seconds=ttl)
-            if datetime.now(UTC) >= at:
-                break
-        deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
-        if await app.kube.delete_agentrun(namespace, name, uid):
-            await app.event(_ref(namespace, name, uid), Event(
-                "Normal", Reason.EXPIRED,
-                f"deleted {ttl}s after the run finished (spec.ttlSecondsAfterFinished); "
-                "the run's rows stay in the store"), run_id)
-    except Exception as exc:  # the next event of the object schedules it again
-        log.warning("AgentRun %s/%s: could not delete it after its TTL: %s", namespace,
-                    name, exc, extra={"run_id": str(run_id)})
+            at = later
     finally:
         if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
             del expiring[uid]
         deleting.discard(uid)
+
+
+async def _expire_once(app: OperatorApp, deleting: set[str], namespace: str, name: str,
+                       uid: str, ttl: int, run_id: str | None) -> datetime | None:
+    """Delete the object if its run's TTL has passed; the new expiry if it has not."""
+    # The store decides, not the mirrored status (it may lag): a run retried since is live
+    # (its next finish schedules a new expiry), one that finished again counts from its new
+    # finish.
+    store = await app.ready_store()
+    if store is None:
+        raise DatabaseUnavailable("database unavailable")
+    run = await store.get_run_by_k8s_uid(uid)
+    if run is None or not run.finished or run.finished_at is None:
+        return None
+    at = run.finished_at + timedelta(seconds=ttl)
+    if datetime.now(UTC) < at:
+        return at
+    deleting.add(uid)  # its own DELETED event must not cancel the Event that follows
+    if await app.kube.delete_agentrun(namespace, name, uid):
+        await app.event(_ref(namespace, name, uid), Event(
+            "Normal", Reason.EXPIRED,
+            f"deleted {ttl}s after the run finished (spec.ttlSecondsAfterFinished); "
+            "the run's rows stay in the store"), run_id)
+    return None
 
 
 async def ttl(
@@ -515,7 +535,7 @@ async def ttl(
     finished = datetime.fromisoformat(str(status["finishedAt"]).replace("Z", "+00:00"))
     seconds = int(spec["ttlSecondsAfterFinished"])
     run_id = status.get("runId")
-    # expire() logs its own failures; what escapes it (a BaseException) is said, not lost.
+    # expire() retries outages; anything else that ends it is said, not lost.
     expiring[uid] = watch(asyncio.create_task(expire(
         _app(memo), expiries, namespace or "", name, uid, finished + timedelta(seconds=seconds),
         seconds, run_id), name=f"ttl-{uid}"),

@@ -1063,6 +1063,47 @@ async def test_ttl_seconds_after_finished_deletes_the_object_and_keeps_the_runs_
     assert cluster.agentrun("kept") is not None  # no TTL: kept
 
 
+async def test_a_ttl_that_falls_in_a_database_outage_deletes_the_object_once_it_is_back(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    """A TTL task (one of the operator's per-object side tasks) whose expiry comes while the
+    database is down: it says so once, with the run's id, retries, and deletes the object once
+    the database answers. The operator runs on; no exception goes unretrieved."""
+    ttl = 4
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
+    try:
+        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=proxy.port)
+        op = operators.start(extra=["--log-format", "json"])
+        cluster.apply_agent(agent_manifest())
+        cluster.apply_agentrun(agentrun_manifest("brief", ttlSecondsAfterFinished=ttl))
+        run = await run_of(store, cluster, "brief")
+        await store.cancel(run.id)
+        await eventually(lambda: status(cluster, "brief").get("phase") == "cancelled", 15,
+                         "the cancel mirrored (the TTL task waits from here)")
+        proxy.cut()
+
+        def waiting() -> list[dict[str, Any]]:
+            lines = [json.loads(ln) for ln in op.output().splitlines() if ln.startswith("{")]
+            return [x for x in lines if "not deleted after its TTL yet" in x["msg"]]
+
+        [line] = await eventually(waiting, ttl + 30, "the TTL task's line about the outage")
+        assert line["run_id"] == str(run.id), line
+        assert cluster.agentrun("brief") is not None  # not deleted blind
+        proxy.restore()
+        try:
+            await eventually(lambda: cluster.agentrun("brief") is None, 60,
+                             "the object deleted once the database answers")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{op.output()[-3000:]}") from None
+        await eventually(lambda: "Expired" in cluster.reasons("brief"), 10, "Expired event")
+        assert len(waiting()) == 1, waiting()  # said once per outage, not once per retry
+        assert op.popen.poll() is None
+        assert "never retrieved" not in op.output()
+    finally:
+        proxy.stop()
+
+
 # -- readiness (issue 19) -----------------------------------------------------------------------
 
 
