@@ -396,7 +396,6 @@ async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[N
     """Registered as a follower of the run (so its appends notify) for as long as the block
     runs: renewed at a third of ``lease``, deleted at the end."""
     follower = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-    await store.follow_run(run_id, follower, lease)
 
     async def renew() -> None:
         failing = False  # said once an outage, not at every renewal
@@ -414,13 +413,18 @@ async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[N
                     )
                 failing = True
 
-    task = asyncio.create_task(renew())
+    task: asyncio.Task[None] | None = None
     try:
+        # Inside the try: a SIGTERM may cancel this while the registration's answer is on its
+        # way, after the row committed (CI saw that row left behind).
+        await store.follow_run(run_id, follower, lease)
+        task = asyncio.create_task(renew())
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         # Left behind (the database is down, or a SIGKILL): it expires after ``lease``.
         with contextlib.suppress(psycopg.Error, OSError):
             await store.unfollow_run(run_id, follower)
