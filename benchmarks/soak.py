@@ -538,7 +538,14 @@ class Zygote:
 
 
 class _Fleet:
-    """The soak's worker processes: started, signalled and reaped by pid."""
+    """The soak's worker processes: started, signalled and reaped.
+
+    Every record is keyed by the life (its Proc), never by its pid: an hour's soak forks more
+    processes than pid_max (32,768 here; PostgreSQL forks a backend per connection), so pids come
+    back. Keyed by pid, a new life that got a pid the soak had signalled before counted as on its
+    way out: never hit, never serving, its slot given another life beside it, until about 30
+    lives served 8 slots and the kill rate fell from 2.4 to 0.9 a second (the first 90-minute
+    run)."""
 
     def __init__(
         self, env: dict[str, str], logdir: Path, concurrency: int, report: Report,
@@ -549,12 +556,14 @@ class _Fleet:
         self.concurrency = concurrency
         self.report = report
         self.zygote = zygote
-        self.procs: list[Proc] = []
-        self.signalled: set[int] = set()  # pids the soak SIGKILLed or SIGTERMed
-        self.stopped: set[int] = set()  # pids SIGSTOPped now
-        self.accounted: set[int] = set()  # pids whose exit has been counted
-        self.names: dict[int, str] = {}
-        self.slot_of: dict[int, int] = {}  # pid -> the worker slot it serves
+        self.procs: list[Proc] = []  # every life, in order of start
+        # The lives whose exit is not counted yet: what live() and top_up() look through, so
+        # their cost does not grow with the 10,000 lives behind them.
+        self.current: list[Proc] = []
+        self.signalled: set[Proc] = set()  # SIGKILLed or SIGTERMed by the soak, not exited yet
+        self.stopped: set[Proc] = set()  # SIGSTOPped now
+        self.names: dict[Proc, str] = {}
+        self.slot_of: dict[Proc, int] = {}  # the worker slot each life serves
 
     def spawn(self, slot: int) -> None:
         n = len(self.procs)
@@ -581,53 +590,60 @@ class _Fleet:
                     [sys.executable, "-m", "agentrun", *argv],
                     env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 )  # fmt: skip
-        self.procs.append(proc)
-        self.names[proc.pid] = f"soak-{n}"
-        self.slot_of[proc.pid] = slot
+        self.add(proc, slot, f"soak-{n}")
         self.report.workers_started += 1
         old = n - KEEP_LOGS
         if old >= 0 and self.procs[old].poll() is not None:
             (self.logdir / f"worker-{old}.log").unlink(missing_ok=True)
 
+    def add(self, proc: Proc, slot: int, name: str) -> None:
+        """Count ``proc`` as the newest life of ``slot``."""
+        self.procs.append(proc)
+        self.current.append(proc)
+        self.names[proc] = name
+        self.slot_of[proc] = slot
+
     def live(self) -> list[Proc]:
         """Running, not stopped and not on its way out: what serves runs now."""
         return [
             p
-            for p in self.procs
-            if p.poll() is None and p.pid not in self.signalled and p.pid not in self.stopped
+            for p in self.current
+            if p.poll() is None and p not in self.signalled and p not in self.stopped
         ]
 
     def serving(self, slot: int) -> Proc | None:
         """The newest live worker of ``slot`` (None: its replacement is not started yet)."""
-        mine = [p for p in self.live() if self.slot_of[p.pid] == slot]
+        mine = [p for p in self.live() if self.slot_of[p] == slot]
         return mine[-1] if mine else None
 
     def hit(self, victim: Proc, sig: signal.Signals) -> None:
-        self.signalled.add(victim.pid)
+        self.signalled.add(victim)
         victim.send_signal(sig)
 
     def stop(self, victim: Proc) -> None:
-        self.stopped.add(victim.pid)
+        self.stopped.add(victim)
         victim.send_signal(signal.SIGSTOP)
 
     def cont(self, victim: Proc) -> None:
         if victim.poll() is None:
             victim.send_signal(signal.SIGCONT)
-        self.stopped.discard(victim.pid)
+        self.stopped.discard(victim)
 
     def top_up(self, want: int) -> None:
         """Count the exits the soak did not cause, and start workers until ``want`` serve."""
-        for p in self.procs:
-            if p.returncode is None or p.pid in self.accounted or p.pid in self.signalled:
+        for p in [p for p in self.current if p.poll() is not None]:
+            self.current.remove(p)
+            self.stopped.discard(p)
+            if p in self.signalled:
+                self.signalled.discard(p)
                 continue
-            self.accounted.add(p.pid)
             if p.returncode == 3:  # "database unreachable" at start: an outage
                 self.report.refused_during_outage += 1
             else:
                 self.report.worker_crashes += 1
                 self.report.problems.append(
-                    f"worker {self.names[p.pid]} exited {p.returncode} by itself (log: "
-                    f"{self.logdir / (self.names[p.pid].replace('soak', 'worker') + '.log')})"
+                    f"worker {self.names[p]} exited {p.returncode} by itself (log: "
+                    f"{self.logdir / (self.names[p].replace('soak', 'worker') + '.log')})"
                 )
         # Each slot is one Deployment replica: a slot whose worker was killed, stopped or exited
         # gets a new one (a zombie that carries on after its SIGCONT serves beside it).
@@ -637,7 +653,7 @@ class _Fleet:
 
     def alive(self, name: str) -> bool:
         """Whether the worker called ``name`` is a process still (stopped or not)."""
-        return any(self.names[p.pid] == name and p.poll() is None for p in self.procs)
+        return any(self.names[p] == name and p.poll() is None for p in self.current)
 
     def stop_all(self) -> None:
         for p in self.procs:
@@ -730,7 +746,7 @@ async def soak(
     ) -> None:
         """Keep a stopped worker stopped past its lease and until the others have taken its
         runs, thaw it, and maybe kill it a moment later (its threads have had that moment)."""
-        name = fleet.names[victim.pid]
+        name = fleet.names[victim]
         t0 = time.monotonic()
         await asyncio.sleep(stop_s)
         still = held
@@ -766,7 +782,7 @@ async def soak(
             report.kills += 1
             report.kills_holding_runs += bool(held)
             if report.kills_per_slot:
-                report.kills_per_slot[fleet.slot_of[victim.pid]] += 1
+                report.kills_per_slot[fleet.slot_of[victim]] += 1
         else:
             fleet.hit(victim, signal.SIGTERM)
             report.terms += 1
@@ -774,7 +790,7 @@ async def soak(
     async def holding(victim: Proc) -> set[str] | None:
         """The runs ``victim`` holds now (None: the database did not answer)."""
         with contextlib.suppress(*DB_ERRORS):
-            return await held_by(store, fleet.names[victim.pid])
+            return await held_by(store, fleet.names[victim])
         return None
 
     async def chaos_step() -> None:
@@ -786,15 +802,15 @@ async def soak(
         if zombie_due:
             # Only a worker that holds runs makes a zombie worth the name: if none does now,
             # the stop waits for the next step.
-            held: dict[int, set[str]] = {}
+            held: dict[Proc, set[str]] = {}
             with contextlib.suppress(*DB_ERRORS):
                 for p in live:
-                    held[p.pid] = await held_by(store, fleet.names[p.pid])
-            busy = [p for p in live if held.get(p.pid)]
+                    held[p] = await held_by(store, fleet.names[p])
+            busy = [p for p in live if held.get(p)]
             if not busy:
                 return
             victim = rng.choice(busy)
-            make_zombie(victim, held[victim.pid], rng)
+            make_zombie(victim, held[victim], rng)
             zombie_due = False
         else:
             victim = rng.choice(live)
@@ -855,7 +871,7 @@ async def soak(
                 cur = await conn.execute(
                     "SELECT count(*) FROM agent_run WHERE id = ANY(%s::uuid[])"
                     " AND status = 'running' AND lease_owner = %s AND next_seq <= claim_seq",
-                    (list(runs), fleet.names[victim.pid]),
+                    (list(runs), fleet.names[victim]),
                 )
                 row = await cur.fetchone()
                 return bool(row and row[0] == 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from benchmarks.soak import (
     AGENT,
     EFFECTS_PER_RUN,
     Report,
+    _Fleet,
     check,
     decide_waiting,
     ledger_schema,
@@ -185,6 +187,47 @@ async def test_forked_worker_lives_are_killed_independently_and_nothing_outlives
     assert report.succeeded + report.odd_failed == report.runs == 12
     assert report.odd_runs == 3 and report.odd_mismatched == 0
     assert not _zygote_processes()
+
+
+class _Life:
+    """A worker life as the fleet sees one (benchmarks.soak.Proc), without a process behind it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+    def wait(self, timeout: float | None = None) -> int:
+        assert self.returncode is not None
+        return self.returncode
+
+
+def test_a_life_that_gets_the_pid_of_a_killed_one_serves_and_is_hit_like_any_other() -> None:
+    """An hour's soak forks more processes than pid_max, so pids come back. The first 90-minute
+    run kept its records by pid: a life that got the pid of one it had SIGKILLed counted as on
+    its way out, was never hit, and its slot got another life beside it (about 30 lives for 8
+    slots by minute 14, and the kill rate fell from 2.4 to 0.9 a second)."""
+    fleet = _Fleet({}, Path(tempfile.mkdtemp()), 4, Report())
+    first, second = _Life(4242), _Life(4242)
+    fleet.add(first, 0, "soak-0")
+    fleet.hit(first, signal.SIGKILL)
+    first.returncode = -9
+    fleet.top_up(0)  # its exit counted: the soak's own kill, no crash
+    fleet.add(second, 0, "soak-1")  # the slot's next life, with the same pid
+    assert fleet.live() == [second] and fleet.serving(0) is second
+    assert fleet.alive("soak-1") and not fleet.alive("soak-0")
+    fleet.hit(second, signal.SIGTERM)
+    assert second.signals == [signal.SIGTERM] and fleet.live() == []
+    assert fleet.report.worker_crashes == 0 and fleet.current == [second]
 
 
 @pytest.mark.slow
