@@ -97,10 +97,12 @@ SELECT fence.id, %(seq)s, %(kind)s, %(payload)s, %(request_id)s, %(epoch)s, %(wo
   FROM fence
 RETURNING seq, created_at
 """
-#: The append's usage parameters for a step that used no tokens (a tool result's).
+#: The append's usage and mark parameters for a step that used no tokens and carries no tool
+#: call's mark (a tool result's).
 NO_USAGE = {
     "input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0, "cache_write_tokens": 0,
     "cost_usd": 0.0,
+    "tool_call": None,
 }
 FOLLOWER_VARIANTS = ("before", "no follower", "1 of 16 followed", "16 of 16 followed")
 

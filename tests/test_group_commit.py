@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
+from datetime import datetime
 from typing import Any
+from unittest.mock import ANY
 from uuid import UUID
 
 import psycopg
@@ -122,6 +124,33 @@ async def test_concurrent_appends_of_many_runs_become_two_statements(
     results = await append_all(store, leases, [1] * 16)
     assert not [r for r in results if isinstance(r, BaseException)]
     assert sent.kinds == ["one", "batch", "one", "batch"]
+
+
+async def test_a_batch_carries_each_rows_tool_call_mark_and_leaves_the_others_marks(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    # The model turn's append carries its first call's mark (issue 17): in a batch too, on its
+    # own row only; a row carrying none keeps the mark it had.
+    leases = await held_runs(store, 4)
+    await store.begin_tool_call(leases[3], {"tool": "old", "seq": -1})
+    results = await asyncio.gather(*(
+        store.append_step(lease, 0, "model_turn", {"n": i},
+                          tool_call={"tool": "look", "seq": 0, "call_index": 0, "n": i}
+                          if i % 2 == 0 else None)
+        for i, lease in enumerate(leases)))
+    assert all(isinstance(r, datetime) for r in results)
+    assert sent.kinds == ["one", "batch"]  # runs 1 to 3 in one statement
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(
+            "SELECT id, tool_call FROM agent_run WHERE id = ANY(%s)",
+            ([lease.run_id for lease in leases],))
+        marks: dict[UUID, Any] = dict(await cur.fetchall())
+    for i, lease in enumerate(leases):
+        mark = marks[lease.run_id]
+        if i % 2 == 0:  # carried, stamped by the database as begin_tool_call stamps it
+            assert mark is not None and mark["n"] == i and "started_at" in mark
+        else:
+            assert mark == (None if i == 1 else {"tool": "old", "seq": -1, "started_at": ANY})
 
 
 async def test_a_lone_append_is_one_statement_sent_at_once_by_its_caller(

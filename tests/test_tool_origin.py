@@ -8,8 +8,9 @@ made a worker's lease run out by its clock while the database still held it, the
 was about to make became a tool_result "LeaseLost: ...", the run succeeded, and the email was
 never sent. Now the run's work is dropped and the next claim makes the call.
 
-In process: a RunExecutor against a real store and the scripted model server, the store's
-begin_tool_call (the fenced mark) given the fault.
+In process: a RunExecutor against a real store and the scripted model server, the fenced mark
+given the fault, by both of its routes: on its own (begin_tool_call, a turn's second call) and
+carried by the model turn's append (a turn's first call, issue 17).
 """
 
 from __future__ import annotations
@@ -50,11 +51,24 @@ class FaultyMarkStore(Store):
         if self.fault == "db_error":
             raise psycopg.OperationalError("server closed the connection unexpectedly")
         await super().begin_tool_call(lease, marker)
+        self._clock_runs_out()
+
+    async def append_step(self, lease: Lease, seq: int, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("tool_call") is None:
+            return await super().append_step(lease, seq, *args, **kwargs)
+        if self.fault == "db_error":
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        done = await super().append_step(lease, seq, *args, **kwargs)
+        self._clock_runs_out()
+        return done
+
+    def _clock_runs_out(self) -> None:
         # From here on the lease has run out by the worker's own clock, as after a SIGSTOP longer
         # than the TTL during the write (the worker counts from when the write was sent, which
         # it sets after this returns); the database still holds it (nobody else claimed the run).
-        assert self.handle is not None
-        self.handle.lease_ttl = -1.0
+        if self.fault == "local_clock":
+            assert self.handle is not None
+            self.handle.lease_ttl = -1.0
 
 
 def executor(store: Store, base_url: str) -> RunExecutor:
@@ -64,14 +78,24 @@ def executor(store: Store, base_url: str) -> RunExecutor:
                        RetryPolicy(max_retries=0), is_draining=lambda: False)
 
 
+#: A turn whose first call is refused (not one of the run's tools), so the mark of its second
+#: call, echo, is sent on its own.
+SECOND_CALL = {"name": "second", "scripts": [{"name": "second", "turns": [
+    {"content": [{"tool_use": {"name": "drop_table", "input": {}}},
+                 {"tool_use": {"name": "echo", "input": {"text": "t0"}}}]},
+    {"content": [{"text": "done"}]},
+]}]}
+
+
 @pytest.mark.parametrize(
     ("fault", "raised"),
     [("local_clock", LeaseLost), ("db_error", psycopg.OperationalError)],
 )
+@pytest.mark.parametrize("route", ["own", "carried"])
 async def test_a_failure_of_the_worker_before_the_call_drops_the_work_and_commits_nothing(
-    database_url: str, fake: FakeFactory, fault: str, raised: type[Exception]
+    database_url: str, fake: FakeFactory, fault: str, raised: type[Exception], route: str
 ) -> None:
-    srv = fake(echo_scenario(2))  # one tool turn, then the answer
+    srv = fake(SECOND_CALL if route == "own" else echo_scenario(2))  # a tool turn, the answer
     store = await FaultyMarkStore.open(database_url, max_size=4)
     store.fault = fault
     CALLS.clear()
@@ -82,8 +106,10 @@ async def test_a_failure_of_the_worker_before_the_call_drops_the_work_and_commit
         with pytest.raises(raised):
             await executor(store, srv.base_url).advance(h)
         assert CALLS == []  # the tool was never called
-        # Only the model's turn is in the log: no tool_result stands for the call not made.
-        assert [s.kind for s in await store.steps(run.id)] == ["model_turn"]
+        # No tool_result stands for the call not made: only the model's turn is in the log, or
+        # nothing when the turn's own append was the mark that failed.
+        assert [s.kind for s in await store.steps(run.id)] == (
+            [] if (route, fault) == ("carried", "db_error") else ["model_turn"])
         after = await store.get_run(run.id)
         assert after.status == "running" and after.lease_epoch == lease.epoch
     finally:

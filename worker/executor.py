@@ -109,6 +109,9 @@ class RunHandle:
     #: What the heartbeat renews by (worker/liveness.py): commits, and calls within deadline.
     progress: Progress = field(default_factory=Progress)
     lease_ttl: float = field(kw_only=True)  # the TTL the claim and every renewal asked for
+    #: (seq, call_index) of the call whose mark the model turn's append carried: its first
+    #: attempt starts without a mark of its own (RunExecutor.first_call_mark).
+    marked: tuple[int, int] | None = None
 
     @property
     def run_id(self) -> str:
@@ -263,6 +266,7 @@ class RunExecutor:
         started: float | None = None,
         turn: ModelTurn | None = None,
         cost_usd: float = 0.0,
+        tool_call: dict[str, Any] | None = None,
     ) -> None:
         sent = time.monotonic()
         await self.store.append_step(
@@ -276,6 +280,7 @@ class RunExecutor:
             cache_read_tokens=turn.cache_read_tokens if turn else 0,
             cache_write_tokens=turn.cache_write_tokens if turn else 0,
             cost_usd=cost_usd,
+            tool_call=tool_call,
         )
         self._committed(h, sent)
         self.metrics.steps.labels(kind).inc()
@@ -397,6 +402,7 @@ class RunExecutor:
             # Priced when it ran, by this worker's table: the run's cost is summed from these.
             cost = self.prices.cost_usd(pv.model, usage)
             self.metrics.count_tokens(pv.model, cost_usd=cost, **usage)
+            mark = self.first_call_mark(h, seq, turn.payload)
             await self._append(
                 h,
                 seq,
@@ -406,7 +412,9 @@ class RunExecutor:
                 started,
                 turn=turn,
                 cost_usd=cost,
+                tool_call=mark,
             )
+            h.marked = None if mark is None else (seq, 0)
             spend.add(sum(usage.values()), cost)  # the four kinds: what maxTokens counts
             crash_point("after_model_turn_commit", seq)
             log.debug("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
@@ -494,6 +502,32 @@ class RunExecutor:
                         effect.compensate)
             seq += 1
         return len(due)
+
+    def first_call_mark(
+        self, h: RunHandle, turn_seq: int, payload: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The mark of the turn's first tool call, for the turn's own append to carry, when
+        nothing but the call comes between that commit and the call's start: the run may call
+        the tool, this worker has it, and it is not irreversible (whose intent, and perhaps a
+        human, come first). The mark then costs no round trip of its own (issue 17). A worker
+        that dies in the moment between the two is blamed as if inside the call: that run's
+        attempt is counted, its co-located runs are handed over, as for a death inside it."""
+        if payload.get("stop_reason") != "tool_use":
+            return None
+        first = next((b for b in payload.get("content", []) if b.get("type") == "tool_use"), None)
+        if first is None or first["name"] not in h.run.agent.tools or (
+                first["name"] not in self.registry):
+            return None
+        spec = self.registry.get(first["name"])
+        if spec.kind is ToolKind.IRREVERSIBLE:
+            return None
+        return self._mark(h, spec, turn_seq, 0)
+
+    def _mark(self, h: RunHandle, spec: ToolSpec, seq: int, index: int) -> dict[str, Any]:
+        """The mark of a call (queries.sql begin_tool_call), read by the next claim if this
+        worker dies inside the call."""
+        return {"worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
+                "seq": seq, "call_index": index, "step": seq + 1, "timeout": self._timeout(spec)}
 
     def _count_retry(self, reason: str) -> None:
         self.metrics.model_retries.labels(reason).inc()
@@ -719,13 +753,12 @@ class RunExecutor:
         """
         timeout = self._timeout(spec)
         self._refuse_if_lost(h, spec.name)
-        sent = time.monotonic()
-        await self.store.begin_tool_call(h.lease, {
-            "worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
-            "seq": ctx.seq, "call_index": ctx.call_index, "step": ctx.seq + 1,
-            "timeout": timeout,
-        })
-        self._committed(h, sent)
+        if h.marked == (ctx.seq, ctx.call_index) and ctx.attempt == 1:
+            h.marked = None  # the model turn's append carried this mark, moments ago
+        else:
+            sent = time.monotonic()
+            await self.store.begin_tool_call(h.lease, self._mark(h, spec, ctx.seq, ctx.call_index))
+            self._committed(h, sent)
         self._refuse_if_lost(h, spec.name)  # the process may have been stopped since the write
         call = asyncio.ensure_future(spec.invoke(ctx, args))
         deadline = time.monotonic() + timeout

@@ -979,10 +979,16 @@ class Store:
         cache_read_tokens: int = 0,
         cache_write_tokens: int = 0,
         cost_usd: float = 0.0,
+        tool_call: dict[str, Any] | None = None,
     ) -> datetime:
         """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
         A model turn passes its token usage (input, output, cache read, cache write) and its
         estimated cost, summed on the run for ``kubectl get`` and the budget.
+
+        ``tool_call``: the mark of the call the step leads to at once (the turn's first tool
+        call), written in the same statement as :meth:`begin_tool_call` would write it, so that
+        call needs no round trip of its own before it starts (issue 17). None leaves the run's
+        mark as it is.
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
@@ -1003,6 +1009,7 @@ class Store:
             cache_read_tokens,
             cache_write_tokens,
             cost_usd,
+            None if tool_call is None else Jsonb(tool_call),
         )
         if self._group is None:
             async with self.pool.connection() as conn:
@@ -1022,6 +1029,7 @@ class Store:
             cache_read_tokens=a.cache_read_tokens,
             cache_write_tokens=a.cache_write_tokens,
             cost_usd=a.cost_usd,
+            tool_call=a.tool_call,
         )
         self.append_stats.count(1)
         try:
@@ -1062,6 +1070,7 @@ class Store:
             "kinds": [a.kind for a in batch],
             "payloads": [a.payload for a in batch],
             "request_ids": [a.request_id for a in batch],
+            "tool_calls": [a.tool_call for a in batch],
         }
         self.append_stats.count(len(batch))
         try:
@@ -1590,6 +1599,7 @@ class _Append:
     cache_read_tokens: int
     cache_write_tokens: int
     cost_usd: float
+    tool_call: Jsonb | None  # the mark carried by the append (None: the run's stays)
 
 
 def _append_key(a: _Append) -> tuple[str, UUID]:

@@ -195,10 +195,14 @@ SELECT namespace, max_running, running FROM namespace_quota ORDER BY namespace;
 -- throughput). The check is done here rather than in a trigger on agent_step: about the same cost
 -- measured, and it stays in the one statement that appends. `followed` runs because RETURNING
 -- reads it; no row from `fence` (fenced off) means no step and no notification.
+-- A model turn whose first tool call starts at once carries that call's mark (tool_call, as
+-- begin_tool_call writes it): one fenced round trip less per tool turn. Null keeps the mark.
 WITH fence AS (
     UPDATE agent_run
        SET next_seq      = greatest(next_seq, %(seq)s + 1),
            lease_until   = now() + make_interval(secs => %(ttl)s),
+           tool_call     = coalesce(%(tool_call)s::jsonb
+                                    || jsonb_build_object('started_at', now()), tool_call),
            input_tokens  = input_tokens + %(input_tokens)s,
            output_tokens = output_tokens + %(output_tokens)s,
            cache_read_tokens  = cache_read_tokens + %(cache_read_tokens)s,
@@ -238,14 +242,17 @@ WITH fence AS (
            output_tokens = agent_run.output_tokens + held.output_tokens,
            cache_read_tokens  = agent_run.cache_read_tokens + held.cache_read_tokens,
            cache_write_tokens = agent_run.cache_write_tokens + held.cache_write_tokens,
-           cost_usd      = agent_run.cost_usd + held.cost_usd
+           cost_usd      = agent_run.cost_usd + held.cost_usd,
+           tool_call     = coalesce(held.tool_call || jsonb_build_object('started_at', now()),
+                                    agent_run.tool_call)
       FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[], %(seqs)s::integer[],
                   %(ttls)s::double precision[], %(input_tokens)s::bigint[],
                   %(output_tokens)s::bigint[], %(cache_read_tokens)s::bigint[],
                   %(cache_write_tokens)s::bigint[], %(cost_usd)s::double precision[],
-                  %(kinds)s::text[], %(payloads)s::jsonb[], %(request_ids)s::text[])
+                  %(kinds)s::text[], %(payloads)s::jsonb[], %(request_ids)s::text[],
+                  %(tool_calls)s::jsonb[])
            AS held(run_id, epoch, seq, ttl, input_tokens, output_tokens, cache_read_tokens,
-                   cache_write_tokens, cost_usd, kind, payload, request_id)
+                   cache_write_tokens, cost_usd, kind, payload, request_id, tool_call)
      WHERE id = held.run_id
        AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
        -- The batch's runs by primary key, whatever the planner guesses of the unnest: without
