@@ -482,7 +482,8 @@ async def expire(app: OperatorApp, expiries: Expiries, namespace: str, name: str
                 continue
             if later is None:
                 return
-            at = later
+            # Answered: a later outage is a new one, said again and backed off from its start.
+            at, attempt, waiting_said = later, 0, False
     finally:
         if expiring.get(uid) is asyncio.current_task():  # not a successor's entry
             del expiring[uid]
