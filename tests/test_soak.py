@@ -116,6 +116,14 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
     assert healthy <= report.steps <= healthy + 4 * report.odd_failed
 
 
+#: The per-slot mode, small: 3 slots, each on its own clock, until the 8th SIGKILL (the same for
+#: exec'ed and forked worker lives, so the two runs compare).
+PER_SLOT: dict[str, Any] = {
+    "runs": 12, "seconds": 300, "pg_restarts": 0, "sigstop_rate": 0.1, "seed": 3, "workers": 3,
+    "kill_every": 1.0, "kills": 8,
+}
+
+
 async def test_each_worker_slot_is_killed_on_a_clock_of_its_own_until_the_kill_target(
     own_postgres: OwnPostgres,
 ) -> None:
@@ -124,18 +132,7 @@ async def test_each_worker_slot_is_killed_on_a_clock_of_its_own_until_the_kill_t
     the checker still finds every run done exactly once. With seed 3 and a 0.1 zombie share,
     each slot's first turn is a SIGKILL (the draws are the slot's own, whatever the timing), and
     all three come before the eighth kill."""
-    report = await _soak(
-        own_postgres,
-        runs=12,
-        seconds=300,
-        pg_restarts=0,
-        sigstop_rate=0.1,
-        odd_payloads=0,
-        seed=3,
-        workers=3,
-        kill_every=1.0,
-        kills=8,
-    )
+    report = await _soak(own_postgres, **PER_SLOT, odd_payloads=0)
     print(report)
     assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
     assert all(report.kills_per_slot), report.kills_per_slot  # each slot on its own clock
@@ -165,19 +162,7 @@ async def test_forked_worker_lives_are_killed_independently_and_nothing_outlives
     of its own, SIGKILLed by its own pid while the others go on, and the checker finds every run
     done exactly once. When the soak ends, the zygote and every life it forked are gone."""
     assert not _zygote_processes()  # none of another test's
-    report = await _soak(
-        own_postgres,
-        runs=12,
-        seconds=300,
-        pg_restarts=0,
-        sigstop_rate=0.1,
-        odd_payloads=0.25,
-        seed=3,
-        workers=3,
-        kill_every=1.0,
-        kills=8,
-        fork_workers=True,
-    )
+    report = await _soak(own_postgres, **PER_SLOT, odd_payloads=0.25, fork_workers=True)
     print(report)
     assert report.workers_forked == report.workers_started >= 3 + 8
     assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
@@ -257,7 +242,7 @@ async def test_the_oncall_human_waits_while_the_previous_holder_may_be_inside_th
     ):
         run, _ = await store.create_run(f"run {name}", AGENT)
         [(_, lease)] = (await store.claim("default", f"w-{name}")).claimed
-        call = {
+        call: dict[str, Any] = {
             "seq": 0,
             "call_index": 0,
             "tool": "drop_table",
