@@ -10,8 +10,9 @@
    difference is durability alone. Paired rounds, interleaved (in-memory, durable, ...): the
    overhead is durable minus in-memory within each round, printed as median and p10-p90. The same
    rounds time each lever off vs on (overlap of the results' commit with the next model call;
-   inline tools) and the old, unfair figure (the seed's loop: SDK stream helper, tool called
-   directly, against the durable loop before both levers). Goal: <= 1.0 ms per turn.
+   the first call's mark carried by the turn's append; inline tools) and the old, unfair figure
+   (the seed's loop: SDK stream helper, tool called directly, against the durable loop before the
+   levers). Goal: <= 1.0 ms per turn.
 2. Resume latency: a worker process is SIGKILLed (another resumes after the lease expires; goal:
    lease TTL + under 1 s) or SIGTERMed (it releases; goal: under 1 s).
 3. Cancel latency: a worker process is in the middle of a slow streamed model call when
@@ -183,7 +184,8 @@ def spread(samples: list[float]) -> dict[str, float]:
 
 #: Each round runs these in this order: an in-memory loop, then a durable loop, and so on, each
 #: durable variant next to the in-memory one it is compared with.
-LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "seed", "dur_old")
+LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "dur_no_carry", "seed",
+         "dur_old")
 
 
 async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
@@ -192,16 +194,17 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     metrics = WorkerMetrics()
     inline, thread = registry_for(True), registry_for(False)
 
-    def executor(registry: ToolRegistry, overlap: bool) -> RunExecutor:
+    def executor(registry: ToolRegistry, overlap: bool, carry: bool = True) -> RunExecutor:
         return RunExecutor(store, Providers(default=client), registry, metrics,
                            Health(60, metrics), NO_RETRY, is_draining=lambda: False,
-                           overlap=overlap)
+                           overlap=overlap, carry_mark=carry)
 
     durable = {
         "dur": executor(inline, True),
         "dur_thread": executor(thread, True),
         "dur_no_overlap": executor(inline, False),
-        "dur_old": executor(thread, False),  # before overlap and inline tools
+        "dur_no_carry": executor(inline, True, carry=False),  # every mark a round trip
+        "dur_old": executor(thread, False, carry=False),  # before the levers of issue 17
     }
 
     async def one(name: str) -> float:
@@ -238,9 +241,10 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
         "ratio": statistics.median(ms["dur"]) / statistics.median(ms["mem"]),
     }
     # What each lever saves per turn (off minus on, paired by round), and the old figure: the
-    # durable loop before both levers against the seed's loop.
+    # durable loop before the levers against the seed's loop.
     for key, (a, b) in {
         "overlap_saves": ("dur_no_overlap", "dur"),
+        "carry_saves": ("dur_no_carry", "dur"),
         "inline_saves_durable": ("dur_thread", "dur"),
         "inline_saves_in_memory": ("mem_thread", "mem"),
         "thread_cost": ("dur_thread", "mem_thread"),
@@ -602,6 +606,7 @@ def main() -> int:
         print(f"    durable overhead per turn  {_pm(q, 'cost')} ms, ratio {q['ratio']:.2f}x "
               "(goal <= 1.0 ms)")
         print(f"    overlap saves              {_pm(q, 'overlap_saves')} ms/turn")
+        print(f"    carried mark saves         {_pm(q, 'carry_saves')} ms/turn")
         print(f"    inline tools save          {_pm(q, 'inline_saves_durable')} ms/turn durable, "
               f"{q['inline_saves_in_memory_ms']:.2f} in-memory")
         print(f"    overhead with threaded tools {_pm(q, 'thread_cost')} ms/turn")

@@ -236,6 +236,9 @@ class RunExecutor:
     #: Overlap each tool_result commit with the next model call (the turn is still committed
     #: only after those results): False is the escape hatch, and the benchmark's "off".
     overlap: bool = True
+    #: Carry a turn's first tool call's mark in the turn's own append (first_call_mark): False
+    #: sends every mark on its own, as before issue 17 (the benchmark's "off").
+    carry_mark: bool = True
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
@@ -512,7 +515,7 @@ class RunExecutor:
         human, come first). The mark then costs no round trip of its own (issue 17). A worker
         that dies in the moment between the two is blamed as if inside the call: that run's
         attempt is counted, its co-located runs are handed over, as for a death inside it."""
-        if payload.get("stop_reason") != "tool_use":
+        if not self.carry_mark or payload.get("stop_reason") != "tool_use":
             return None
         first = next((b for b in payload.get("content", []) if b.get("type") == "tool_use"), None)
         if first is None or first["name"] not in h.run.agent.tools or (
