@@ -192,6 +192,11 @@ def records_effects(spec: ToolSpec) -> bool:
     )
 
 
+def tool_uses(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A model turn's tool calls, in order (its tool_use blocks)."""
+    return [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
+
+
 def final_text(payload: dict[str, Any]) -> str:
     return "".join(b.get("text", "") for b in payload.get("content", []) if b.get("type") == "text")
 
@@ -517,11 +522,12 @@ class RunExecutor:
         attempt is counted, its co-located runs are handed over, as for a death inside it."""
         if not self.carry_mark or payload.get("stop_reason") != "tool_use":
             return None
-        first = next((b for b in payload.get("content", []) if b.get("type") == "tool_use"), None)
-        if first is None or first["name"] not in h.run.agent.tools or (
-                first["name"] not in self.registry):
+        calls = tool_uses(payload)
+        # call_tool's two refusals: a tool the run may not call, one this worker lacks.
+        if not calls or calls[0]["name"] not in h.run.agent.tools or (
+                calls[0]["name"] not in self.registry):
             return None
-        spec = self.registry.get(first["name"])
+        spec = self.registry.get(calls[0]["name"])
         if spec.kind is ToolKind.IRREVERSIBLE:
             return None
         return self._mark(h, spec, turn_seq, 0)
@@ -539,7 +545,7 @@ class RunExecutor:
         self, h: RunHandle, turn_seq: int, payload: dict[str, Any]
     ) -> list[dict[str, Any]]:
         """Run the turn's tool calls in order; one tool_result block each."""
-        calls = [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
+        calls = tool_uses(payload)
         # Only calls of recording tools can have an effect on record: a turn of pure calls (the
         # common case) costs no extra round trip.
         recording = any(
