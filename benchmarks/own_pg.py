@@ -79,6 +79,7 @@ class OwnPostgres:
         self.settings = dict(settings or {})
         self.pid: int | None = None
         self.starts = 0
+        self.keep = False  # close() stops the server but leaves its directory (evidence)
         self._run_as: dict[str, Any] = {}
         self._inited = False
 
@@ -180,7 +181,8 @@ class OwnPostgres:
         self.start()
 
     def close(self) -> None:
-        """Stop the server by its pid, whatever state it is in, and remove its directory."""
+        """Stop the server by its pid, whatever state it is in, and remove its directory (unless
+        ``keep``)."""
         pid = self.pid or self._read_pid()
         if pid is not None and _alive(pid):
             with contextlib.suppress(ProcessLookupError):
@@ -195,7 +197,8 @@ class OwnPostgres:
                 while _alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.05)
         self.pid = None
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # -- facts -----------------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ temporary directory, a free port), which ``--pg-restarts N`` stops (``pg_ctl -m 
 again N times at seeded moments, down for a seeded 0.5-3 s each time; the server is stopped by
 its pid at the end, whatever happened. Workers must ride the outages out by themselves. A worker
 started during an outage exits 3 (database unreachable) and is replaced; any other exit that the
-soak did not cause is counted as a worker crash.
+soak did not cause is counted as a worker crash. The tools' ledger (their "remote system") is on
+a second server of the soak's own, which it never restarts (``--ledger-url``: elsewhere).
 
 Then the checker reads the database. The soak fails on any of: a run dead-lettered, failed or
 cancelled (only an odd-payload run may fail, once, with an error: the runtime may refuse a
@@ -36,7 +37,13 @@ payload it cannot store), a run not finished (stuck), a step log with a gap, a m
 committed twice, a non-idempotent effect more or less than once per call, an irreversible effect
 twice or never, an odd-payload run whose task, steps or result do not read back (through the
 store) exactly as the tools and the model produced them, a worker crash. It prints the figures
-and the first problems. ``--check-only --database-url URL`` runs only the checker.
+and the first problems. ``--check-only --database-url URL [--ledger-url URL]`` runs only the
+checker.
+
+A failed soak keeps its evidence: its own servers' data directories (not removed; the soak
+prints where they are) and, in the log directory, ``problems.log``: every line of every worker
+life's log that names a run the checker complained about, each under its life's name (the logs of
+lives older than the last KEEP_LOGS are kept compressed in ``lives.log.gz`` for this).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import os
@@ -55,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -105,8 +113,12 @@ ZOMBIE_WAIT_S = 20.0
 TOOL_TIMEOUT_S = 60.0
 #: What a database outage looks like to the soak's own client.
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
-#: Worker logs kept (the oldest are removed: a night's soak starts thousands of workers).
+#: Worker logs kept as files; older ones are appended to ARCHIVE, compressed (a night's soak
+#: starts thousands of workers, and a failed one needs them all: see trace()).
 KEEP_LOGS = 200
+ARCHIVE = "lives.log.gz"
+#: A run id, as the checker's problems and every worker log line about a run spell it.
+RUN_ID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 PROGRESS_EVERY_S = 30.0
 HOLD_WAIT_S = 10.0  # --kill-every: how long a slot's clock waits for its worker's first steps
 
@@ -225,13 +237,14 @@ class Report:
         )
 
 
-async def check(url: str, report: Report | None = None) -> Report:
+async def check(url: str, report: Report | None = None, ledger_url: str | None = None) -> Report:
     """Read the database and count what must never happen (set-based: a night's soak leaves tens
-    of thousands of runs), then read every odd-payload run back through the store."""
+    of thousands of runs), then read every odd-payload run back through the store. The effects are
+    read from ``ledger_url`` (default: ``url``)."""
     r = report or Report()
+    ledger = ledger_url or url
     params: dict[str, Any] = {"terminal": list(TERMINAL_STATUSES), "odd": ODD_PREFIX + "%"}
     with psycopg.connect(url) as conn:
-        conn.execute(ledger_schema())  # no ledger yet: no effects (IF NOT EXISTS, rolled back)
         row = conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'),"
             " count(*) FILTER (WHERE status <> ALL(%(terminal)s)),"
@@ -285,28 +298,37 @@ async def check(url: str, report: Report | None = None) -> Report:
         # Each effect of a run exactly as often as its conversation calls for: more is a
         # duplicate (a non-idempotent call under a second key, an irreversible call run twice),
         # fewer is an effect lost (only for a run that succeeded: the others stopped midway).
-        for tool, rid, status, want, n in conn.execute(
-            "SELECT t.tool, r.id, r.status, t.want, count(e.id)"
-            "  FROM agent_run r"
-            " CROSS JOIN unnest(%(tools)s::text[], %(wants)s::int[]) AS t(tool, want)"
-            "  LEFT JOIN ledger_effects e ON e.run_id = r.id::text AND e.tool = t.tool"
-            " WHERE r.task NOT LIKE %(odd)s"
-            " GROUP BY t.tool, t.want, r.id, r.status"
-            " HAVING count(e.id) > t.want OR (count(e.id) < t.want AND r.status = 'succeeded')",
-            {**params, "tools": list(EFFECTS_PER_RUN), "wants": list(EFFECTS_PER_RUN.values())},
+        # The ledger may be on a server of its own, so it is read apart and compared here.
+        with psycopg.connect(ledger) as lconn:
+            lconn.execute(ledger_schema())  # (IF NOT EXISTS, rolled back)
+            effects: dict[tuple[str, str], int] = {
+                (tool, rid): n
+                for tool, rid, n in lconn.execute(
+                    "SELECT tool, run_id, count(*) FROM ledger_effects GROUP BY tool, run_id"
+                )
+            }
+        for rid, status in conn.execute(
+            "SELECT id::text, status FROM agent_run WHERE task NOT LIKE %(odd)s"
+            " ORDER BY created_at",
+            params,
         ):
-            if n > want:
-                r.duplicate_effects += n - want
-            else:
-                r.lost_effects += want - n
-            r.problems.append(f"run {rid} ({status}): {tool} happened {n} times (expected {want})")
-        for tool, rid, n in conn.execute(  # any other effect (a compensation): at most once
-            "SELECT tool, run_id, count(*) FROM ledger_effects WHERE tool <> ALL(%(tools)s)"
-            " GROUP BY tool, run_id HAVING count(*) > 1",
-            {"tools": list(EFFECTS_PER_RUN)},
-        ):
-            r.duplicate_effects += n - 1
-            r.problems.append(f"run {rid}: {tool} happened {n} times (expected at most 1)")
+            for tool, want in EFFECTS_PER_RUN.items():
+                n = effects.get((tool, rid), 0)
+                if n > want:
+                    r.duplicate_effects += n - want
+                elif n < want and status == "succeeded":
+                    r.lost_effects += want - n
+                else:
+                    continue
+                said = tool_errors(conn, rid, tool.split(":")[0])
+                r.problems.append(
+                    f"run {rid} ({status}): {tool} happened {n} times (expected {want})"
+                    + (f"; the tool reported: {said}" if said else "")
+                )
+        for (tool, rid), n in effects.items():  # any other effect (a compensation): at most once
+            if tool not in EFFECTS_PER_RUN and n > 1:
+                r.duplicate_effects += n - 1
+                r.problems.append(f"run {rid}: {tool} happened {n} times (expected at most 1)")
         odd_ids = [
             rid
             for (rid,) in conn.execute(
@@ -325,6 +347,24 @@ async def check(url: str, report: Report | None = None) -> Report:
                     r.odd_mismatched += 1
                     r.problems.append(f"odd-payload run {rid}: {wrong}")
     return r
+
+
+def tool_errors(conn: psycopg.Connection[Any], run_id: str, tool: str) -> list[str]:
+    """The errors the run's log holds for its calls of ``tool`` (what the model was told), so a
+    lost effect names its cause when it has one."""
+    return [
+        str(text)[:200]
+        for (text,) in conn.execute(
+            "SELECT res.b->>'content' FROM agent_step t"
+            " CROSS JOIN jsonb_array_elements(t.payload->'content') AS use(b)"
+            " JOIN agent_step s ON s.run_id = t.run_id AND s.kind = 'tool_result'"
+            " CROSS JOIN jsonb_array_elements(s.payload->'content') AS res(b)"
+            " WHERE t.run_id = %s AND t.kind = 'model_turn' AND use.b->>'type' = 'tool_use'"
+            " AND use.b->>'name' = %s AND res.b->>'tool_use_id' = use.b->>'id'"
+            " AND (res.b->>'is_error')::boolean ORDER BY s.seq",
+            (run_id, tool),
+        )
+    ]
 
 
 def _said(block: dict[str, Any]) -> tuple[str, Any]:
@@ -372,7 +412,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 160 else f"{text[:160]}... ({len(text)} characters)"
 
 
-async def decide_waiting(store: Store, url: str, alive: Callable[[str], bool]) -> int:
+async def decide_waiting(store: Store, ledger_url: str, alive: Callable[[str], bool]) -> int:
     """The scripted on-call human: look at the target, then approve or reject the retry.
 
     As docs/side-effects.md tells a human to, an unknown outcome is decided only once its previous
@@ -388,7 +428,7 @@ async def decide_waiting(store: Store, url: str, alive: Callable[[str], bool]) -
             holder = call.get("busy_worker")
             if holder is None or alive(holder):
                 continue  # it may still be inside the call: look again later
-        with psycopg.connect(url) as conn:
+        with psycopg.connect(ledger_url) as conn:
             row = conn.execute(
                 "SELECT count(*) FROM ledger_effects WHERE run_id = %s AND tool = %s",
                 (str(run.id), call.get("tool")),
@@ -594,7 +634,17 @@ class _Fleet:
         self.report.workers_started += 1
         old = n - KEEP_LOGS
         if old >= 0 and self.procs[old].poll() is not None:
-            (self.logdir / f"worker-{old}.log").unlink(missing_ok=True)
+            self.archive(old)
+
+    def archive(self, n: int) -> None:
+        """Move life ``n``'s log into ARCHIVE, under a line with its name (one gzip member per
+        life: a file of concatenated members reads as one)."""
+        path = self.logdir / f"worker-{n}.log"
+        with contextlib.suppress(FileNotFoundError):
+            data = path.read_bytes()
+            with gzip.open(self.logdir / ARCHIVE, "ab") as gz:
+                gz.write(f"=== soak-{n}\n".encode() + data)
+            path.unlink()
 
     def add(self, proc: Proc, slot: int, name: str) -> None:
         """Count ``proc`` as the newest life of ``slot``."""
@@ -684,6 +734,7 @@ async def soak(
     kill_every: float | None = None,
     kills: int | None = None,
     fork_workers: bool = False,
+    ledger_url: str | None = None,
 ) -> Report:
     """Kill and SIGSTOP workers for ``seconds`` (restarting ``pg`` ``pg_restarts`` times), let
     every run finish, then check. ``url`` must be a migrated database with no runs; with
@@ -695,7 +746,11 @@ async def soak(
     step on each run of its first claim (waited for up to HOLD_WAIT_S). ``kills``: the chaos
     ends once that many SIGKILLs were sent (or ``seconds`` is over, whichever comes first).
     ``fork_workers``: each worker life is forked by benchmarks/zygote.py, which imported the
-    worker's stack once, instead of exec'ed (about 1.5 s of CPU less per life)."""
+    worker's stack once, instead of exec'ed (about 1.5 s of CPU less per life). ``ledger_url``:
+    where the tools keep their ledger, their "remote system" (default ``url``); on a server that
+    ``pg_restarts`` does not restart, an effect is lost only if the runtime loses it (with the
+    ledger on ``pg``, a tool that met an outage told the model so, and its effect was rightly
+    never done: 2 of them in the first 10,000-kill soak)."""
     if kill_every is not None and kill_every <= 0:
         raise ValueError("kill_every must be positive")
     if pg_restarts and pg is None:
@@ -705,7 +760,8 @@ async def soak(
     # the seed's whatever the timing (a short soak with a given seed is sure to make a zombie).
     kinds = random.Random(f"{seed}:kinds")
     report = Report()
-    with psycopg.connect(url, autocommit=True) as conn:
+    ledger = ledger_url or url
+    with psycopg.connect(ledger, autocommit=True) as conn:
         conn.execute(ledger_schema())
     path = logdir / "soak.json"  # JSON: the scenario holds NUL bytes
     path.write_text(json.dumps(scenario(delay_ms=delay_ms)))
@@ -884,6 +940,7 @@ async def soak(
         env = {
             **os.environ,
             "AGENTRUN_DATABASE_URL": url,
+            "LEDGER_DATABASE_URL": ledger,
             "ANTHROPIC_BASE_URL": srv.base_url,
             "ANTHROPIC_API_KEY": "soak",
         }
@@ -915,7 +972,7 @@ async def soak(
                 if not db_up():
                     continue  # the soak's own reads wait for the database like everyone's
                 try:
-                    report.decisions += await decide_waiting(store, url, fleet.alive)
+                    report.decisions += await decide_waiting(store, ledger, fleet.alive)
                     left = await unfinished(store)
                     if continuous and left < runs:
                         await submit(runs - left)
@@ -946,7 +1003,7 @@ async def soak(
             while time.monotonic() < calm:
                 fleet.top_up(workers)
                 try:
-                    report.decisions += await decide_waiting(store, url, fleet.alive)
+                    report.decisions += await decide_waiting(store, ledger, fleet.alive)
                     if not await unfinished(store) and all(z.done() for z in zombies):
                         break
                 except DB_ERRORS:
@@ -962,7 +1019,10 @@ async def soak(
             await asyncio.gather(*zombies, return_exceptions=True)
             fleet.stop_all()
             await store.close()
-    return await check(url, report)
+    report = await check(url, report, ledger)
+    if not report.ok:
+        trace(logdir, report.problems)
+    return report
 
 
 def _share(value: str) -> float:
@@ -1035,12 +1095,17 @@ def main() -> int:
         help="a migrated database with no runs yet, on a server the soak must not restart "
         "(needs --pg-restarts 0; default: the soak's own server)",
     )
+    ap.add_argument(
+        "--ledger-url",
+        help="a database for the tools' ledger, on a server the soak does not restart "
+        "(default: a second server of the soak's own, or the --database-url database)",
+    )
     ap.add_argument("--check-only", action="store_true", help="only run the checker")
     args = ap.parse_args()
     if args.check_only:
         if not args.database_url:
             ap.error("--check-only needs --database-url")
-        return _print(asyncio.run(check(args.database_url)))
+        return _print(asyncio.run(check(args.database_url, ledger_url=args.ledger_url)))
     if args.kill_every is not None and args.kill_every <= 0:
         ap.error(f"--kill-every {args.kill_every}: must be a positive number of seconds")
     if args.kills is not None and args.kills < 1:
@@ -1057,14 +1122,23 @@ def main() -> int:
 
     with contextlib.ExitStack() as stack:
         pg: OwnPostgres | None = None
+        kept: list[OwnPostgres] = []  # the servers a failed soak keeps the data of
         if args.database_url:
             url = args.database_url
         else:
             pg = stack.enter_context(OwnPostgres(settings={"max_connections": "200"}))
+            kept.append(pg)
             say(f"own PostgreSQL server on port {pg.port} (pid {pg.pid}), data in {pg.root}")
             with psycopg.connect(pg.url(), autocommit=True) as conn:
                 conn.execute("CREATE DATABASE agentrun_soak")
             url = pg.url("agentrun_soak")
+        ledger_url = args.ledger_url
+        if ledger_url is None and pg is not None:
+            # The tools' "remote system", which the restarts must not take down with the store.
+            lpg = stack.enter_context(OwnPostgres(settings={"max_connections": "200"}))
+            kept.append(lpg)
+            say(f"the tools' ledger on a server of its own, port {lpg.port} (pid {lpg.pid})")
+            ledger_url = lpg.url()
         subprocess.run(
             [sys.executable, "-m", "agentrun", "migrate"],
             check=True,
@@ -1093,10 +1167,44 @@ def main() -> int:
                 kill_every=args.kill_every,
                 kills=args.kills,
                 fork_workers=args.fork_workers,
+                ledger_url=ledger_url,
             )
         )
         say(f"soak done in {time.monotonic() - t0:.0f} s")
+        if not report.ok:
+            for server in kept:
+                server.keep = True  # stopped at the end, but not removed
+                say(f"kept the data of the server on port {server.port} in {server.root}")
+            say(f"the problem runs' lines of every life's log in {logdir / 'problems.log'}")
         return _print(report)
+
+
+def trace(logdir: Path, problems: list[str]) -> Path:
+    """Write ``problems.log``: every line of every life's log (archived or not) that names a run
+    one of ``problems`` names, each as ``soak-N: line``, lives in order of start."""
+    wanted = set(RUN_ID_RE.findall("\n".join(problems)))
+    out = logdir / "problems.log"
+
+    def lines() -> Iterator[tuple[str, str]]:
+        if (logdir / ARCHIVE).exists():
+            life = "?"
+            with gzip.open(logdir / ARCHIVE, "rt", errors="replace") as gz:
+                for line in gz:
+                    if line.startswith("=== "):
+                        life = line[4:].strip()
+                    else:
+                        yield life, line
+        logs = sorted(logdir.glob("worker-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+        for path in logs:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    yield f"soak-{path.stem.split('-')[1]}", line
+
+    with open(out, "w") as f:
+        for life, line in lines():
+            if wanted.intersection(RUN_ID_RE.findall(line)):
+                f.write(f"{life}: {line}")
+    return out
 
 
 def _print(report: Report) -> int:

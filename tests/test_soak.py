@@ -4,6 +4,8 @@ that reads back changed is planted.
 
 The soaks restart PostgreSQL, so they run on a server of their own (benchmarks/own_pg.py), never
 the machine's shared one; the server is stopped by its pid when the test ends, however it ends.
+The tools' ledger (their "remote system") is a fresh database on the machine's server, which the
+soak does not restart, as the soak command keeps it on a second server of its own.
 The soak stops its workers by pid (SIGKILL ends a SIGSTOPped one too).
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +27,7 @@ from typing import Any
 import psycopg
 import pytest
 from benchmarks.bench_tools import ODD_PAYLOADS
-from benchmarks.own_pg import OwnPostgres
+from benchmarks.own_pg import OwnPostgres, _alive
 from benchmarks.soak import (
     AGENT,
     EFFECTS_PER_RUN,
@@ -36,6 +40,7 @@ from benchmarks.soak import (
     odd_task,
     odd_turns,
     soak,
+    trace,
 )
 from psycopg.types.json import Jsonb
 
@@ -61,8 +66,15 @@ def own_postgres() -> Iterator[OwnPostgres]:
         yield pg
 
 
+@pytest.fixture
+def ledger_url(empty_database_url: str) -> str:
+    """The tools' ledger, on a server the soak does not restart."""
+    return empty_database_url
+
+
 async def _soak(
     pg: OwnPostgres,
+    ledger_url: str,
     runs: int,
     seconds: float,
     pg_restarts: int,
@@ -86,12 +98,13 @@ async def _soak(
         sigstop_rate=sigstop_rate,
         odd_payloads=odd_payloads,
         calm_s=60,
+        ledger_url=ledger_url,
         **chaos,
     )
 
 
 async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts(
-    own_postgres: OwnPostgres,
+    own_postgres: OwnPostgres, ledger_url: str
 ) -> None:
     """The default maxAttempts, SIGKILLs, SIGTERMs, SIGSTOPped zombies, two PostgreSQL restarts
     and one odd-payload run of each kind: every healthy run succeeds (none dead-lettered), every
@@ -99,7 +112,13 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
     # With seed 11 and a share of 0.25, the first chaos step makes a zombie due (4 of the first
     # 10 draws do), which is made as soon as a worker holds runs.
     report = await _soak(
-        own_postgres, runs=12, seconds=30, pg_restarts=2, sigstop_rate=0.25, odd_payloads=1 / 3
+        own_postgres,
+        ledger_url,
+        runs=12,
+        seconds=30,
+        pg_restarts=2,
+        sigstop_rate=0.25,
+        odd_payloads=1 / 3,
     )
     print(report)
     assert report.zombies >= 1 and report.kills + report.terms >= 3
@@ -119,20 +138,26 @@ async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts
 #: The per-slot mode, small: 3 slots, each on its own clock, until the 8th SIGKILL (the same for
 #: exec'ed and forked worker lives, so the two runs compare).
 PER_SLOT: dict[str, Any] = {
-    "runs": 12, "seconds": 300, "pg_restarts": 0, "sigstop_rate": 0.1, "seed": 3, "workers": 3,
-    "kill_every": 1.0, "kills": 8,
+    "runs": 12,
+    "seconds": 300,
+    "pg_restarts": 0,
+    "sigstop_rate": 0.1,
+    "seed": 3,
+    "workers": 3,
+    "kill_every": 1.0,
+    "kills": 8,
 }
 
 
 async def test_each_worker_slot_is_killed_on_a_clock_of_its_own_until_the_kill_target(
-    own_postgres: OwnPostgres,
+    own_postgres: OwnPostgres, ledger_url: str
 ) -> None:
     """--kill-every/--kills (the 10,000-kill soak's mode): three slots, each hit on its own
     seeded clock, so workers die independently; the chaos ends at exactly the kill target, and
     the checker still finds every run done exactly once. With seed 3 and a 0.1 zombie share,
     each slot's first turn is a SIGKILL (the draws are the slot's own, whatever the timing), and
     all three come before the eighth kill."""
-    report = await _soak(own_postgres, **PER_SLOT, odd_payloads=0)
+    report = await _soak(own_postgres, ledger_url, **PER_SLOT, odd_payloads=0)
     print(report)
     assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
     assert all(report.kills_per_slot), report.kills_per_slot  # each slot on its own clock
@@ -155,14 +180,14 @@ def _zygote_processes() -> list[int]:
 
 
 async def test_forked_worker_lives_are_killed_independently_and_nothing_outlives_the_soak(
-    own_postgres: OwnPostgres,
+    own_postgres: OwnPostgres, ledger_url: str
 ) -> None:
     """--fork-workers (how the 10,000-kill soak fits in 90 minutes on 2 cores): every worker life
     is forked from the zygote, which imported the worker's stack once; each is still a process
     of its own, SIGKILLed by its own pid while the others go on, and the checker finds every run
     done exactly once. When the soak ends, the zygote and every life it forked are gone."""
     assert not _zygote_processes()  # none of another test's
-    report = await _soak(own_postgres, **PER_SLOT, odd_payloads=0.25, fork_workers=True)
+    report = await _soak(own_postgres, ledger_url, **PER_SLOT, odd_payloads=0.25, fork_workers=True)
     print(report)
     assert report.workers_forked == report.workers_started >= 3 + 8
     assert report.kills == 8 == sum(report.kills_per_slot), report.kills_per_slot
@@ -217,8 +242,8 @@ def test_a_life_that_gets_the_pid_of_a_killed_one_serves_and_is_hit_like_any_oth
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-async def test_large_seeded_soak(own_postgres: OwnPostgres) -> None:
-    report = await _soak(own_postgres, runs=200, seconds=600, pg_restarts=5)
+async def test_large_seeded_soak(own_postgres: OwnPostgres, ledger_url: str) -> None:
+    report = await _soak(own_postgres, ledger_url, runs=200, seconds=600, pg_restarts=5)
     print(report)
     assert report.pg_restarts == 5 and report.zombies >= 1
     assert report.ok, report.problems
@@ -380,3 +405,98 @@ def test_the_checker_fails_on_each_planted_problem(database_url: str) -> None:
     )
     assert res.returncode == 1 and "soak: FAILED" in res.stdout
     assert "drop_table happened 2 times" in res.stdout and "dead_letter after" in res.stdout
+
+
+def test_the_checker_reads_the_ledger_where_the_tools_keep_it_and_names_a_tools_error(
+    database_url: str, ledger_url: str
+) -> None:
+    """The soak keeps the tools' ledger on a server it does not restart (in the first
+    10,000-kill soak it was the store's own: a tool that met an outage told the model so, and
+    two runs succeeded without an effect). The checker reads the effects from there, and a lost
+    effect says what the tool reported to the model, if it reported an error."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        runs = [
+            str(row[0])
+            for row in conn.execute(
+                "INSERT INTO agent_run (task, model, agent_spec, status, max_steps, max_attempts)"
+                " SELECT 'run ' || n, 'm', '{}', 'succeeded', 50, 8 FROM generate_series(1, 2) n"
+                " RETURNING id"
+            )
+        ]
+        use = {"type": "tool_use", "id": "toolu_1", "name": "send_email", "input": {"to": "x"}}
+        said = "OperationalError: connection failed: Connection refused"
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": said}
+        for seq, kind, block in ((0, "model_turn", use), (1, "tool_result", result)):
+            conn.execute(
+                "INSERT INTO agent_step (run_id, seq, kind, payload, lease_epoch, worker) "
+                "VALUES (%s, %s, %s, %s, 1, 'w')",
+                (runs[1], seq, kind, Jsonb({"content": [{**block, "is_error": True}]})),
+            )
+    with psycopg.connect(ledger_url, autocommit=True) as conn:
+        conn.execute(ledger_schema())
+        for rid, effects in (
+            (runs[0], EFFECTS_PER_RUN),
+            (runs[1], {**EFFECTS_PER_RUN, "send_email": 1}),
+        ):
+            for tool, n in effects.items():
+                for i in range(n):
+                    conn.execute(
+                        "INSERT INTO ledger_effects (tool, run_id, key) VALUES (%s, %s, %s)",
+                        (tool, rid, f"{rid}-{tool}-{i}"),
+                    )
+    report = asyncio.run(check(database_url, ledger_url=ledger_url))
+    assert report.lost_effects == 1 and report.duplicate_effects == 0 and not report.ok
+    [problem] = report.problems
+    assert problem == (
+        f"run {runs[1]} (succeeded): send_email happened 1 times (expected 2);"
+        f" the tool reported: [{said!r}]"
+    )
+    # Read from the store's database instead, every effect of both runs is missing.
+    assert asyncio.run(check(database_url)).lost_effects == 2 * sum(EFFECTS_PER_RUN.values())
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--check-only", "--database-url", database_url,
+         "--ledger-url", ledger_url],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 1 and f"PROBLEM: {problem}" in res.stdout
+    assert "lost_effects           1" in res.stdout
+
+
+def test_a_failed_soak_traces_its_problem_runs_through_every_lifes_log(tmp_path: Path) -> None:
+    """A failed soak writes problems.log: each line of each life's log that names a run the
+    checker complained about, under the life's name, from the lives archived (compressed, once
+    KEEP_LOGS newer ones exist) and the ones still in files alike (the first 10,000-kill soak
+    had removed the logs of the two runs it failed on, so their cause could only be inferred)."""
+    bad, good = "6e904573-0d3c-4c1a-9a57-7f7b0c2d9e11", "cca35a37-1b2c-4d5e-8f90-123456789abc"
+    logs = {
+        0: f"claimed run {bad}\nrun {good}: turn 1\n",
+        1: "idle\n",
+        2: f"run {bad}: tool drop_table raised OperationalError: reported to the model\n",
+    }
+    for n, text in logs.items():
+        (tmp_path / f"worker-{n}.log").write_text(text)
+    fleet = _Fleet({}, tmp_path, 4, Report())
+    fleet.archive(0)
+    fleet.archive(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lives.log.gz", "worker-2.log"]
+    with gzip.open(tmp_path / "lives.log.gz", "rt") as gz:
+        assert gz.read() == f"=== soak-0\n{logs[0]}=== soak-1\n{logs[1]}"
+    out = trace(tmp_path, [f"run {bad} (succeeded): drop_table happened 0 times (expected 1)"])
+    assert out.read_text().splitlines() == [
+        f"soak-0: claimed run {bad}",
+        f"soak-2: run {bad}: tool drop_table raised OperationalError: reported to the model",
+    ]
+
+
+def test_a_kept_server_is_stopped_but_its_data_stays() -> None:
+    """A failed soak keeps its servers' data (OwnPostgres.keep): the server is stopped by its pid
+    as always, and its directory, the database the checker read included, stays."""
+    pg = OwnPostgres()
+    try:
+        with pg:
+            pid = pg.pid
+            pg.keep = True
+        assert pid is not None and not _alive(pid)  # (a zombie until its parent reaps it)
+        assert (pg.pgdata / "PG_VERSION").exists() and pg.log.exists()
+    finally:
+        shutil.rmtree(pg.root, ignore_errors=True)

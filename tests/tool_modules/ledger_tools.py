@@ -4,6 +4,10 @@
 erase it); ``ledger_effects`` holds the effects themselves. The non-idempotent tool hands
 ``ctx.idempotency_key`` to its "remote system" (a unique key), as the seed tells tool owners to;
 the irreversible one has no such protection at all.
+
+The ledger is the tools' "remote system": it lives in ``LEDGER_DATABASE_URL`` when that is set
+(the soak keeps it on a server of its own, which it never restarts: the outages it makes are the
+store's, not the mail service's), else in the store's own database.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _effect(conn: psycopg.Connection[tuple[object, ...]], ctx: ToolContext, what
 
 
 def _connect() -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(os.environ["AGENTRUN_DATABASE_URL"], autocommit=True)
+    url = os.environ.get("LEDGER_DATABASE_URL") or os.environ["AGENTRUN_DATABASE_URL"]
+    return psycopg.connect(url, autocommit=True)
 
 
 @tool(kind="pure")
