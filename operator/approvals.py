@@ -45,6 +45,7 @@ from pydantic import ValidationError
 
 from agentrun.errors import AgentrunError, DatabaseUnavailable
 from agentrun.faults import crash_point
+from agentrun.logs import current_run_id
 from agentrun.manifests import AgentRunApprovalSpec
 from agentrun.operator.api import (
     APPROVALS,
@@ -138,6 +139,10 @@ async def _apply(
     me = _ref("AgentRunApproval", namespace, name, uid)
     waiting_said = False
     attempt = 0
+    # Every line of this task about the run carries its id: the one an earlier try wrote in the
+    # status, until _decide reads it from the store (it sets this task's current_run_id).
+    if status.get("runId"):
+        current_run_id.set(str(status["runId"]))
     try:
         while True:
             try:
@@ -200,6 +205,7 @@ async def _decide(
             raise _Refused(f"AgentRun {spec.agent_run} has no run yet (the operator has not "
                            "accepted it); it cannot be waiting for a decision")
         run_id = str(run.id)
+        current_run_id.set(run_id)  # for this task's lines after this try too (_apply's)
         decision = VERDICTS[spec.decision]
         call = status.get("call") if status.get("runId") == run_id else None
         prior = await _recorded(store, run.id, spec.seq, call)
