@@ -169,3 +169,39 @@ async def test_a_lone_surrogate_is_sent_escaped_on_the_raw_route(
         turn = await model_call._stream_turn(client, request("file \udcff [text]"), None)
     assert turn.stop_reason == "end_turn"
     assert model_call._body(request("\udcff")).count(b"\\udcff") == 1
+
+
+async def test_the_raw_route_sends_the_request_the_sdks_post_would() -> None:
+    """The raw route builds the SDK's request options once (model_call.post_options) instead of
+    through ``client.post``, whose construct deep-copies every default on each call: the request
+    that leaves, method, URL, every header and the body, is the one ``post`` sends, every time
+    (the shared options are copied, never changed by a request)."""
+    import httpx2 as httpx
+    from anthropic._constants import RAW_RESPONSE_HEADER
+
+    sent: list[tuple[str, str, list[tuple[str, str]], bytes]] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        headers = sorted(kv for kv in request.headers.items() if kv[0] != "x-stainless-retry-count")
+        sent.append((request.method, str(request.url), headers, request.content))
+        return httpx.Response(200, content=b"")
+
+    client = anthropic.AsyncAnthropic(
+        api_key="k", base_url="http://model.test", max_retries=0, open_telemetry=False,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(record)),
+    )  # fmt: skip
+    body = model_call._body({"model": "m", "max_tokens": 8, "messages": []})
+    response = await client.post(
+        "/v1/messages", cast_to=httpx.Response, content=body, stream=True,
+        options={"headers": {RAW_RESPONSE_HEADER: "stream"}},
+    )  # fmt: skip
+    await response.aclose()
+    before = model_call._POST.model_dump()
+    for _ in range(2):
+        options = model_call.post_options(body)
+        response = await client.request(httpx.Response, options, stream=True)
+        await response.aclose()
+    await client.close()
+    assert len(sent) == 3 and sent[0] == sent[1] == sent[2], sent
+    assert ("x-stainless-raw-response", "stream") in sent[0][2] and sent[0][3] == body
+    assert model_call._POST.model_dump() == before
