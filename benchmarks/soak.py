@@ -766,8 +766,16 @@ async def soak(
     path = logdir / "soak.json"  # JSON: the scenario holds NUL bytes
     path.write_text(json.dumps(scenario(delay_ms=delay_ms)))
     # Seeded moments for the restarts, in the first 60% of the chaos, so that runs are still
-    # going on around them and the chaos goes on after them.
-    restart_at = sorted(rng.uniform(0.1, 0.6) * seconds for _ in range(pg_restarts))
+    # going on around them and the chaos goes on after them: as shares of ``seconds`` and, with
+    # ``kills``, of the kills too, whichever comes first (a chaos that reaches its kills early
+    # would otherwise end before its last restarts: at 3.13 kills/s, 10,000 kills end at 59%
+    # of 5,400 s).
+    restart_at = sorted(rng.uniform(0.1, 0.6) for _ in range(pg_restarts))
+
+    def restart_due(elapsed: float) -> bool:
+        share = restart_at[0]
+        return elapsed >= share * seconds or (kills is not None and report.kills >= share * kills)
+
     outage: asyncio.Task[None] | None = None
     zombies: list[asyncio.Task[None]] = []
     store = await Store.open(url, max_size=4)
@@ -961,7 +969,7 @@ async def soak(
                 else:  # the slots hit; this loop replaces the dead and keeps the runs coming
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(chaos_over.wait(), 0.25)
-                if restart_at and time.monotonic() - t_start >= restart_at[0] and db_up():
+                if restart_at and restart_due(time.monotonic() - t_start) and db_up():
                     restart_at.pop(0)
                     outage = asyncio.create_task(restart(rng.uniform(0.5, 3.0)))
                 if kill_every is None:
