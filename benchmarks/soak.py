@@ -577,6 +577,16 @@ class Zygote:
             self.popen.wait()
 
 
+def life_name(n: int) -> str:
+    """The n-th worker life's name: its --worker-id, the zygote's tag, its log's heading."""
+    return f"soak-{n}"
+
+
+def log_path(logdir: Path, n: int) -> Path:
+    """Where the n-th worker life writes its log (until it is archived)."""
+    return logdir / f"worker-{n}.log"
+
+
 class _Fleet:
     """The soak's worker processes: started, signalled and reaped.
 
@@ -607,11 +617,12 @@ class _Fleet:
 
     def spawn(self, slot: int) -> None:
         n = len(self.procs)
+        name = life_name(n)
         argv = [
             "worker",
             "--tools", str(TOOLS),
             "--tools", str(ODD_TOOLS),
-            "--worker-id", f"soak-{n}",
+            "--worker-id", name,
             "--lease-ttl", str(LEASE_TTL_S),
             "--tool-timeout", str(TOOL_TIMEOUT_S),
             "--poll-interval", "0.5",
@@ -619,10 +630,10 @@ class _Fleet:
             "--control-port", "-1",
             "--concurrency", str(self.concurrency),
         ]  # fmt: skip
-        path = self.logdir / f"worker-{n}.log"
+        path = log_path(self.logdir, n)
         proc: Proc
         if self.zygote is not None:
-            proc = self.zygote.spawn(f"soak-{n}", argv, path)
+            proc = self.zygote.spawn(name, argv, path)
             self.report.workers_forked += 1
         else:
             with open(path, "wb") as log:
@@ -630,7 +641,7 @@ class _Fleet:
                     [sys.executable, "-m", "agentrun", *argv],
                     env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 )  # fmt: skip
-        self.add(proc, slot, f"soak-{n}")
+        self.add(proc, slot, name)
         self.report.workers_started += 1
         old = n - KEEP_LOGS
         if old >= 0 and self.procs[old].poll() is not None:
@@ -639,11 +650,11 @@ class _Fleet:
     def archive(self, n: int) -> None:
         """Move life ``n``'s log into ARCHIVE, under a line with its name (one gzip member per
         life: a file of concatenated members reads as one)."""
-        path = self.logdir / f"worker-{n}.log"
+        path = log_path(self.logdir, n)
         with contextlib.suppress(FileNotFoundError):
             data = path.read_bytes()
             with gzip.open(self.logdir / ARCHIVE, "ab") as gz:
-                gz.write(f"=== soak-{n}\n".encode() + data)
+                gz.write(f"=== {life_name(n)}\n".encode() + data)
             path.unlink()
 
     def add(self, proc: Proc, slot: int, name: str) -> None:
@@ -1202,11 +1213,12 @@ def trace(logdir: Path, problems: list[str]) -> Path:
                         life = line[4:].strip()
                     else:
                         yield life, line
-        logs = sorted(logdir.glob("worker-*.log"), key=lambda p: int(p.stem.split("-")[1]))
-        for path in logs:
+        numbered = ((int(path.stem.removeprefix("worker-")), path)
+                    for path in logdir.glob("worker-*.log"))
+        for n, path in sorted(numbered):
             with open(path, errors="replace") as f:
                 for line in f:
-                    yield f"soak-{path.stem.split('-')[1]}", line
+                    yield life_name(n), line
 
     with open(out, "w") as f:
         for life, line in lines():
