@@ -3,14 +3,17 @@
     python -m benchmarks.claim_bench [--held 10000] [--rounds 200] [--admin-url URL] [--json FILE]
 
 1. Claim latency: the claim statement (queries.sql claim_runs) taking one pending run of a pool
-   that also holds ``held`` running runs with live leases of another worker, all older than the
-   pending ones (the worst case for a claim that walks created_at order), next to the same claim
-   in a pool that holds none (the baseline), and the statement before migration 0015
-   (:data:`OLD_CLAIM_RUNS`, over the index it had, :data:`OLD_INDEX`) in both pools. Each claim
-   runs in a transaction rolled back after it, so every round sees the same rows; the variants
-   are interleaved round by round, on one connection with prepared statements (as the store
-   sends them). Also the shared buffers each variant touches (EXPLAIN (ANALYZE, BUFFERS)): the
-   new claim's must not grow with the held runs.
+   that also holds ``held`` running runs with live leases of other workers (each holding as many
+   as a worker of the default concurrency does), all older than the pending ones (the worst case
+   for a claim that walks created_at order), next to the same claim in a pool that holds none
+   (the baseline), and the statement before migration 0015 (:data:`OLD_CLAIM_RUNS`, over the
+   index it had, :data:`OLD_INDEX`) in both pools. Each claim runs in a transaction rolled back
+   after it, so every round sees the same rows; the variants are interleaved round by round, on
+   one connection, each statement prepared once and executed from then on, as the store sends
+   them (prepared on first use; a claim commits, so it stays prepared). Also how PostgreSQL
+   planned each: a generic plan kept, or a custom plan made each time. Also the shared buffers
+   each variant touches (EXPLAIN (ANALYZE, BUFFERS)): the new claim's must not grow with the held
+   runs.
 2. Heartbeat statements: one in-process worker holding ``held_runs`` runs, each inside a model
    call (progress, no commit), its heartbeat counted for a few intervals: statements per minute
    (one renewal statement per interval whatever the number of runs; before, one per run).
@@ -31,11 +34,13 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg import pq
 from psycopg.types.json import Jsonb
 
 from agentrun.manifests import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_STEPS
 from agentrun.sql import queries
 from agentrun.store import Lease, Store
+from agentrun.worker.settings import WorkerSettings
 from benchmarks.throwaway_db import throwaway_database
 
 #: queries.sql claim_runs before migration 0015 (kept as the baseline): one scan of pending and
@@ -112,20 +117,23 @@ SPEC = Jsonb({"model": "bench", "system": "bench"})
 
 
 def add_runs(conn: psycopg.Connection[Any], pool: str, n: int, *, held_by: str | None,
-             age_s: float) -> None:
+             age_s: float, per_holder: int | None = None) -> None:
     """``n`` runs of ``pool`` created ``age_s`` seconds ago (a millisecond apart): running under
-    an hour's lease of ``held_by``, or pending if None."""
+    an hour's lease of ``held_by``, or pending if None. With ``per_holder``, the leases are held
+    by workers ``held_by-0``, ``held_by-1``, ... of that many runs each."""
     conn.execute(
         "INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, status,"
         " lease_owner, lease_until, lease_epoch, attempt, created_at)"
         " SELECT %(pool)s, 'bench', 'bench', %(spec)s, %(max_steps)s, %(max_attempts)s,"
-        " CASE WHEN %(owner)s::text IS NULL THEN 'pending' ELSE 'running' END, %(owner)s,"
+        " CASE WHEN %(owner)s::text IS NULL THEN 'pending' ELSE 'running' END,"
+        " CASE WHEN %(per)s::integer IS NULL THEN %(owner)s"
+        "      ELSE %(owner)s || '-' || ((i - 1) / %(per)s::integer) END,"
         " CASE WHEN %(owner)s::text IS NULL THEN NULL ELSE now() + interval '1 hour' END,"
         " CASE WHEN %(owner)s::text IS NULL THEN 0 ELSE 1 END,"
         " CASE WHEN %(owner)s::text IS NULL THEN 0 ELSE 1 END,"
         " now() - make_interval(secs => %(age)s) + i * interval '1 millisecond'"
         " FROM generate_series(1, %(n)s) AS i",
-        {"pool": pool, "spec": SPEC, "owner": held_by, "age": age_s, "n": n,
+        {"pool": pool, "spec": SPEC, "owner": held_by, "age": age_s, "n": n, "per": per_holder,
          "max_steps": DEFAULT_MAX_STEPS, "max_attempts": DEFAULT_MAX_ATTEMPTS},
     )
 
@@ -156,6 +164,29 @@ def _stats(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _raw(conn: psycopg.Connection[Any], command: bytes) -> None:
+    """BEGIN or ROLLBACK sent on the libpq connection itself. psycopg forgets every prepared
+    statement at a rollback it sees (it cannot know what the rollback undid), so each round
+    would prepare and plan the claim anew; the store's claims commit, and never pay that."""
+    res = conn.pgconn.exec_(command)
+    if res.status != pq.ExecStatus.COMMAND_OK:
+        raise RuntimeError(f"{command.decode()}: {res.error_message.decode(errors='replace')}")
+
+
+def plan_kinds(conn: psycopg.Connection[Any]) -> dict[str, dict[str, int]]:
+    """Generic and custom plans PostgreSQL made for the new and the old claim statement on
+    ``conn`` (pg_prepared_statements): a kept generic plan is planned once."""
+    kinds: dict[str, dict[str, int]] = {}
+    for statement, generic, custom in conn.execute(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+    ):
+        name = "new" if "WITH pending AS" in statement else (
+            "old" if "WITH candidate AS" in statement else None)
+        if name is not None:
+            kinds[name] = {"generic": int(generic), "custom": int(custom)}
+    return kinds
+
+
 def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, Any]:
     """Claim latency with ``held`` held runs in the pool vs none, new and old statement."""
     variants = {
@@ -165,7 +196,8 @@ def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, 
         "old, none held": (OLD_CLAIM_RUNS, EMPTY_POOL),
     }
     with psycopg.connect(url, autocommit=True) as conn:
-        add_runs(conn, HELD_POOL, held, held_by="another-worker", age_s=7200)
+        add_runs(conn, HELD_POOL, held, held_by="other-worker", age_s=7200,
+                 per_holder=WorkerSettings().concurrency)
         for pool in (HELD_POOL, EMPTY_POOL):
             add_runs(conn, pool, 20, held_by=None, age_s=60)
         conn.execute(OLD_INDEX)
@@ -174,13 +206,17 @@ def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, 
         for _ in range(rounds):
             for name, (statement, pool) in variants.items():
                 params = {"pool": pool, "worker": "bench", "limit": 1, "ttl": 60.0}
-                with conn.transaction(force_rollback=True):
+                _raw(conn, b"BEGIN")
+                try:
                     t0 = time.perf_counter()
                     cur = conn.execute(statement, params, prepare=True)  # type: ignore[call-overload]
                     got = cur.fetchall()
                     times[name].append(time.perf_counter() - t0)
+                finally:
+                    _raw(conn, b"ROLLBACK")
                 if not any(r[0] is not None for r in got):
                     raise RuntimeError(f"{name}: the claim took no run")
+        plans = plan_kinds(conn)
         explained = {name: explain_claim(conn, s, p) for name, (s, p) in variants.items()}
     stats = {name: _stats(t) for name, t in times.items()}
     return {
@@ -188,6 +224,7 @@ def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, 
         "rounds": rounds,
         "variants": stats,
         "explained": explained,
+        "plans": plans,
         "new_held_p50_ms": stats["new, held"]["p50_ms"],
         "ratio_new": stats["new, held"]["p50_ms"] / stats["new, none held"]["p50_ms"],
         "ratio_old": stats["old, held"]["p50_ms"] / stats["old, none held"]["p50_ms"],

@@ -621,7 +621,7 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
         )
     if not skipped("claim"):
         c = res["claim"]
-        v, ex = c["variants"], c["explained"]
+        v, ex, plans = c["variants"], c["explained"], c["plans"]["new"]
         spread = v["new, held"]
         row(
             F_CLAIM_HELD,
@@ -629,8 +629,9 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
             f"{spread['p10_ms']:.2f}-{spread['p90_ms']:.2f}), {c['ratio_new']:.2f}x the "
             f"{v['new, none held']['p50_ms']:.2f} ms with none; buffers "
             f"{ex['new, held']['buffers']} vs {ex['new, none held']['buffers']}; execution "
-            f"{ex['new, held']['execution_ms']:.2f} ms + planning "
-            f"{ex['new, held']['planning_ms']:.2f} ms. Old statement: {c['ratio_old']:.2f}x "
+            f"{ex['new, held']['execution_ms']:.2f} ms; {plans['generic']} of "
+            f"{plans['generic'] + plans['custom']} claims on the generic plan (planned once). "
+            f"Old statement: {c['ratio_old']:.2f}x "
             f"({c['old_held_p50_ms']:.2f} ms, {ex['old, held']['buffers']} buffers)",
             c["ratio_new"] <= 1.3 and c["new_held_p50_ms"] <= 0.5,
         )
