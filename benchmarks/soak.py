@@ -111,6 +111,12 @@ ZOMBIE_WAIT_S = 20.0
 # carries on is its lease's end plus this, longer than any zombie stays stopped (8 s plus
 # ZOMBIE_WAIT_S), so a thawed zombie has left the call by then.
 TOOL_TIMEOUT_S = 60.0
+#: The shortest calm that can tell a stuck run from one rightly waiting for its human: an unknown
+#: outcome whose caller the mark no longer names (the next call of its turn moved the mark on) is
+#: decided only after its bound, the taking claim's time plus TOOL_TIMEOUT_S, and the run then
+#: has its remaining turns to take. A 60 s calm once ended before that bound and called the run
+#: stuck.
+MIN_CALM_S = TOOL_TIMEOUT_S + LEASE_TTL_S + 60
 #: What a database outage looks like to the soak's own client.
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 #: Worker logs kept as files; older ones are appended to ARCHIVE, compressed (a night's soak
@@ -740,7 +746,7 @@ async def soak(
     sigstop_rate: float = 0.15,
     odd_payloads: float = 0.1,
     continuous: bool = False,
-    calm_s: float = 90,
+    calm_s: float = 600,
     progress: Any = None,
     kill_every: float | None = None,
     kills: int | None = None,
@@ -1129,6 +1135,9 @@ def main() -> int:
         ap.error(f"--kill-every {args.kill_every}: must be a positive number of seconds")
     if args.kills is not None and args.kills < 1:
         ap.error(f"--kills {args.kills}: must be at least 1")
+    if args.calm < MIN_CALM_S:
+        ap.error(f"--calm {args.calm:g}: must be at least {MIN_CALM_S:g} s (an unknown outcome "
+                 "waits out its tool timeout before the on-call decides it)")
     if args.database_url and args.pg_restarts:
         ap.error("--pg-restarts needs the soak's own PostgreSQL: drop --database-url, or pass 0")
     t0 = time.monotonic()

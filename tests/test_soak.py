@@ -31,6 +31,7 @@ from benchmarks.own_pg import OwnPostgres, _alive
 from benchmarks.soak import (
     AGENT,
     EFFECTS_PER_RUN,
+    MIN_CALM_S,
     Report,
     _Fleet,
     check,
@@ -97,7 +98,7 @@ async def _soak(
         pg_restarts=pg_restarts,
         sigstop_rate=sigstop_rate,
         odd_payloads=odd_payloads,
-        calm_s=60,
+        calm_s=MIN_CALM_S,  # ends as soon as every run has; longer only when one is stuck
         ledger_url=ledger_url,
         **chaos,
     )
