@@ -117,6 +117,8 @@ TOOL_TIMEOUT_S = 60.0
 #: has its remaining turns to take. A 60 s calm once ended before that bound and called the run
 #: stuck.
 MIN_CALM_S = TOOL_TIMEOUT_S + LEASE_TTL_S + 60
+#: The calm unless told otherwise (soak() and --calm alike).
+DEFAULT_CALM_S = 600.0
 #: What a database outage looks like to the soak's own client.
 DB_ERRORS = (psycopg.OperationalError, PoolTimeout, OSError)
 #: Worker logs kept as files; older ones are appended to ARCHIVE, compressed (a night's soak
@@ -746,7 +748,7 @@ async def soak(
     sigstop_rate: float = 0.15,
     odd_payloads: float = 0.1,
     continuous: bool = False,
-    calm_s: float = 600,
+    calm_s: float = DEFAULT_CALM_S,
     progress: Any = None,
     kill_every: float | None = None,
     kills: int | None = None,
@@ -1112,8 +1114,9 @@ def main() -> int:
     ap.add_argument(
         "--calm",
         type=float,
-        default=600,
-        help="after the chaos, the longest wait for every run to finish (default 600 s)",
+        default=DEFAULT_CALM_S,
+        help="after the chaos, the longest wait for every run to finish "
+        f"(default {DEFAULT_CALM_S:g} s, at least {MIN_CALM_S:g} s)",
     )
     ap.add_argument(
         "--database-url",
