@@ -10,10 +10,13 @@ model at zero delay in a process of its own and PostgreSQL in its own: this proc
 
 The variants, interleaved round by round so that all see the same machine:
 
-* ``sdk`` (the baseline): the stream read through the SDK's events (``RAW_STREAM`` off) and the
-  per-turn log line emitted (its logger at DEBUG), the worker before issue 17's CPU work;
-* ``sdk_quiet``: the SDK's events, the per-turn line at DEBUG (the log lever alone);
-* ``raw``: the worker as shipped: the stream read straight into the stored dicts, no per-turn line.
+* ``sdk`` (the baseline): the SDK's default transport (httpx), the stream read through the SDK's
+  events (``RAW_STREAM`` off) and the per-turn log line emitted (its logger at DEBUG), the worker
+  before issue 17's CPU work;
+* ``sdk_quiet``: the same, the per-turn line at DEBUG (the log lever alone);
+* ``raw_httpx``: the stream read straight into the stored dicts, no per-turn line, over httpx
+  (the transport lever left out);
+* ``raw``: the worker as shipped: the same over the SDK's aiohttp transport (worker/client.py).
 
 A step is a committed step of the log (a model turn or a tool result). Figures: the median over
 rounds of CPU ms per step and steps per second, min and max, and the ratios to ``sdk``.
@@ -37,15 +40,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
-
 from agentrun.logs import setup_logging
 from agentrun.store import Store
 from agentrun.worker import model_call
+from agentrun.worker.client import AsyncAnthropic, client_options
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
-from agentrun.worker.settings import RetryPolicy
+from agentrun.worker.settings import MODEL_TRANSPORTS, RetryPolicy
 from benchmarks.worker_bench import (
     AGENT,
     REGISTRY,
@@ -56,12 +58,16 @@ from benchmarks.worker_bench import (
     scenario_file,
 )
 
-VARIANTS = ("sdk", "sdk_quiet", "raw")
+VARIANTS = ("sdk", "sdk_quiet", "raw_httpx", "raw")
 TURN_LOGGER = "agentrun.worker.run"  # the executor's, which logs "seq %d: model turn committed"
 
 
+def _transport(variant: str) -> str:
+    return "aiohttp" if variant == "raw" else "httpx"
+
+
 def _configure(variant: str) -> None:
-    model_call.RAW_STREAM = variant == "raw"
+    model_call.RAW_STREAM = variant.startswith("raw")
     # The baseline emits the per-turn line it had at INFO: the same record, one level lower.
     logging.getLogger(TURN_LOGGER).setLevel(logging.DEBUG if variant == "sdk" else logging.NOTSET)
 
@@ -91,23 +97,26 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 async def run_bench(url: str, base_url: str, runs: int, rounds: int,
                     progress: Progress = _quiet) -> dict[str, Any]:
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="bench", max_retries=0,
-                                      open_telemetry=False)
+    # The worker's own client (anthropic_client's, less the key from the environment).
+    clients = {t: AsyncAnthropic(base_url=base_url, api_key="bench", transport=t,
+                                 **client_options(traced=False))
+               for t in MODEL_TRANSPORTS}
     store = await Store.open(url, max_size=max(4, runs))
     metrics = WorkerMetrics()
-    executor = RunExecutor(store, Providers(default=client), REGISTRY, metrics,
-                           Health(60, metrics), RetryPolicy(), is_draining=lambda: False)
+    executors = {t: RunExecutor(store, Providers(default=c), REGISTRY, metrics,
+                                Health(60, metrics), RetryPolicy(), is_draining=lambda: False)
+                 for t, c in clients.items()}
     per: dict[str, dict[str, list[float]]] = {v: {"cpu_ms": [], "sps": []} for v in VARIANTS}
     try:
         for variant in VARIANTS:  # warm up: imports, connections, caches
             _configure(variant)
-            await _round(store, executor, runs, "cpu-warm")
+            await _round(store, executors[_transport(variant)], runs, "cpu-warm")
         for r in range(rounds):
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for variant in order:
                 _configure(variant)
                 pool = "cpu-" + variant.replace("_", "-")  # a pool name is a DNS label
-                steps, cpu, wall = await _round(store, executor, runs, pool)
+                steps, cpu, wall = await _round(store, executors[_transport(variant)], runs, pool)
                 per[variant]["cpu_ms"].append(cpu * 1000 / steps)
                 per[variant]["sps"].append(steps / wall)
                 progress(f"round {r + 1} {variant}: {cpu * 1000 / steps:.3f} ms CPU/step, "
@@ -115,7 +124,8 @@ async def run_bench(url: str, base_url: str, runs: int, rounds: int,
     finally:
         _configure("raw")
         await store.close()
-        await client.close()
+        for c in clients.values():
+            await c.close()
     out: dict[str, Any] = {"runs": runs, "rounds": rounds}
     for v in VARIANTS:
         out[v] = {"cpu_ms_per_step": _stats(per[v]["cpu_ms"]),

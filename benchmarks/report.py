@@ -781,12 +781,15 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
         row(
             F_CPU,
             f"{ms['median']:.2f} ms CPU/step ({ms['min']:.2f}-{ms['max']:.2f}, {c['runs']} runs, "
-            f"{c['rounds']} rounds); baseline, the SDK's events and a line per turn: "
+            f"{c['rounds']} rounds); baseline, the SDK's httpx transport and events and a line "
+            f"per turn: "
             f"{base['median']:.2f} ms ({base['min']:.2f}-{base['max']:.2f}), "
             f"{raw['cpu_ratio']:.2f}x CPU; {sps['median']:.0f} steps/s "
             f"({sps['min']:.0f}-{sps['max']:.0f}), {raw['steps_per_s_ratio']:.2f}x the baseline's "
             f"{sdk['steps_per_s']['median']:.0f}; the log line alone: "
-            f"{c['sdk_quiet']['cpu_ratio']:.2f}x CPU",
+            f"{c['sdk_quiet']['cpu_ratio']:.2f}x CPU, with the raw stream: "
+            f"{c['raw_httpx']['cpu_ratio']:.2f}x, with the aiohttp transport: "
+            f"{raw['cpu_ratio']:.2f}x",
             ms["median"] <= CPU_GOAL_MS and raw["steps_per_s_ratio"] >= CPU_GOAL_SPEEDUP,
         )
     if not skipped("memory"):

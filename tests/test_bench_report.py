@@ -227,12 +227,15 @@ def test_the_cpu_figure_is_judged_on_both_goals() -> None:
                     "steps_per_s": {"median": 100.0, "min": 90.0, "max": 110.0}},
             "sdk_quiet": {"cpu_ms_per_step": stats, "steps_per_s": sps, "cpu_ratio": 0.95,
                           "steps_per_s_ratio": 1.05},
+            "raw_httpx": {"cpu_ms_per_step": stats, "steps_per_s": sps, "cpu_ratio": 0.8,
+                          "steps_per_s_ratio": 1.4},
             "raw": {"cpu_ms_per_step": stats, "steps_per_s": sps, "cpu_ratio": ms / 1.5,
                     "steps_per_s_ratio": ratio},
         }}
 
     met = {r.figure: r for r in report.rows(cpu(0.7, 2.1), {})}[report.F_CPU]
     assert met.met is True and "0.70 ms CPU/step" in met.measured and "2.10x" in met.measured
+    assert "with the raw stream: 0.80x" in met.measured
     assert {r.figure: r for r in report.rows(cpu(0.7, 1.9), {})}[report.F_CPU].met is False
     assert {r.figure: r for r in report.rows(cpu(0.8, 2.5), {})}[report.F_CPU].met is False
     assert {r.figure: r for r in report.rows(_results(), {})}[report.F_CPU].measured == \

@@ -205,3 +205,44 @@ async def test_the_raw_route_sends_the_request_the_sdks_post_would() -> None:
     assert len(sent) == 3 and sent[0] == sent[1] == sent[2], sent
     assert ("x-stainless-raw-response", "stream") in sent[0][2] and sent[0][3] == body
     assert model_call._POST.model_dump() == before
+
+
+def test_the_body_is_the_sdks_encoding_of_the_canonical_request() -> None:
+    """model_call._body writes the history's canonical key order straight into the bytes; they
+    are the SDK's encoder's bytes for the request with that order put into its dicts (the SDK's
+    route), whatever the values: odd strings, nesting, a lone surrogate (escaped the same),
+    key orders that differ between the live turns and the stored ones."""
+    import random
+
+    from anthropic._utils._json import openapi_dumps
+
+    from agentrun.worker.client import escape_surrogates
+
+    rng = random.Random(5)
+
+    def value(depth: int = 0) -> Any:
+        r = rng.random()
+        if depth > 2 or r < 0.3:
+            return rng.choice(["é✓\u2028", 'q"\\', 1, -2.5, None, True, "x" * rng.randint(0, 9)])
+        if r < 0.6:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        keys = rng.sample(["z", "a", "type", "m", "cache_control"], rng.randint(0, 4))
+        return {k: value(depth + 1) for k in keys}
+
+    for i in range(300):
+        req: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "t", "z": value()}]},
+            {"content": value(), "role": "assistant"}]}
+        if i % 2:
+            req["system"] = [{"type": "text", "text": value(), "cache_control": value()}]
+            req["tools"] = [{"name": "echo", "input_schema": value()}]
+            req["thinking"] = {"type": "enabled", "budget_tokens": 1024}  # its order is kept
+        if i % 7 == 0:
+            req["messages"][0]["content"][0]["text"] = "lone \udcff"
+        expected = {**model_call.canonical_request(req), "stream": True}
+        try:
+            sdk = openapi_dumps(expected)
+        except UnicodeEncodeError:
+            from anthropic._utils._json import openapi_dumps_str
+            sdk = escape_surrogates(openapi_dumps_str(expected))
+        assert model_call._body(req) == sdk

@@ -25,3 +25,21 @@ def test_the_tools_come_from_the_variable_and_a_flag_replaces_them(
     assert WorkerSettings.from_env(prices=False).tools == ("agentrun.demo_tools", "tools/extra.py")
     assert settings_for([]).tools == ("agentrun.demo_tools", "tools/extra.py")
     assert settings_for(["--tools", "a", "--tools", "b.py"]).tools == ("a", "b.py")
+
+
+def test_the_model_transport_comes_from_the_variable_and_a_bad_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentrun.errors import ConfigError
+    from agentrun.worker.settings import check_settings
+
+    monkeypatch.delenv("AGENTRUN_MODEL_TRANSPORT", raising=False)
+    assert settings_for([]).model_transport == "aiohttp"
+    monkeypatch.setenv("AGENTRUN_MODEL_TRANSPORT", "httpx")
+    assert settings_for([]).model_transport == "httpx"
+    assert settings_for(["--model-transport", "aiohttp"]).model_transport == "aiohttp"
+    with pytest.raises(ConfigError) as bad:
+        check_settings(settings_for(["--model-transport", "curl"]))
+    assert str(bad.value) == (
+        "--model-transport 'curl' (AGENTRUN_MODEL_TRANSPORT): choose aiohttp or httpx (the "
+        "first-party API's HTTP transport; default aiohttp)")

@@ -21,6 +21,16 @@ google-auth's Application Default Credentials: GKE workload identity,
 GOOGLE_APPLICATION_CREDENTIALS). A provider whose settings or credentials are missing is
 :class:`ProviderUnavailable`, one line naming what to set: the run fails at once rather than
 retrying a call that cannot succeed on this worker.
+
+The first-party client sends over the SDK's aiohttp transport (``anthropic.DefaultAioHttpClient``,
+the SDK's ``aiohttp`` extra), not its default httpx one: the SDK's request building, auth,
+headers, timeouts, proxies from the environment and error statuses are the same, but the HTTP is
+parsed in aiohttp's C parser instead of h11 and httpcore, whose pool also probes every idle
+connection's socket (getpeername, poll) on each request and each response's end. That is about a
+third of the worker's CPU per step at 16 runs (benchmarks/cpu_bench.py). Its connections keep the
+TCP keepalives the SDK's default transport sets (:data:`KEEPALIVE`), so a peer that vanished
+without a reset is found as it was. ``AGENTRUN_MODEL_TRANSPORT=httpx`` is the way back. Bedrock
+and Vertex keep the SDK's default transport (``transport`` is not theirs to choose).
 """
 
 from __future__ import annotations
@@ -28,14 +38,21 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import anthropic
+import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
+from aiohappyeyeballs import AddrInfoType
+from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from anthropic._models import FinalRequestOptions
 from anthropic._utils._json import openapi_dumps_str
+from anthropic._vendor.httpx_aiohttp import AiohttpTransport
 
 from agentrun.manifests import PROVIDERS
 from agentrun.worker.providers import Factory, ModelClient, ProviderUnavailable
+from agentrun.worker.settings import MODEL_TRANSPORTS
 
 log = logging.getLogger("agentrun.worker")
 
@@ -80,8 +97,51 @@ class EscapeSurrogates(_ClientBase):
             return super()._build_request(escaped, retries_taken=retries_taken)
 
 
+#: The TCP keepalives of the SDK's default transport (anthropic._base_client, on Linux): probes
+#: after 60 s idle, every 60 s, 5 of them.
+KEEPALIVE: tuple[tuple[int, int, int], ...] = (
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    *((socket.IPPROTO_TCP, getattr(socket, name), value)
+      for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 60), ("TCP_KEEPCNT", 5))
+      if hasattr(socket, name)),
+)
+
+def _keepalive_socket(addr_info: AddrInfoType) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    for level, option, value in KEEPALIVE:
+        sock.setsockopt(level, option, value)
+    return sock
+
+
+def aiohttp_client() -> httpx.AsyncClient:
+    """The SDK's aiohttp client (its limits, redirects, proxies from the environment) whose
+    connections carry :data:`KEEPALIVE`. Its session is made at the first request, on the loop
+    that sends it."""
+    transport = AiohttpTransport(limits=DEFAULT_CONNECTION_LIMITS)
+
+    def session() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=DEFAULT_CONNECTION_LIMITS.max_connections or 0,
+            keepalive_timeout=DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
+            ssl=transport.ssl_context,
+            socket_factory=_keepalive_socket,
+        )
+        return aiohttp.ClientSession(connector=connector)
+
+    transport.client = session
+    client: httpx.AsyncClient = anthropic.DefaultAioHttpClient(transport=transport)
+    return client
+
+
 class AsyncAnthropic(EscapeSurrogates, anthropic.AsyncAnthropic):
-    pass
+    """The first-party client, sending over :func:`aiohttp_client` unless given an
+    ``http_client`` of its own or told ``transport="httpx"``."""
+
+    def __init__(self, *, transport: str = MODEL_TRANSPORTS[0], **kwargs: Any) -> None:
+        if transport == "aiohttp" and kwargs.get("http_client") is None:
+            kwargs["http_client"] = aiohttp_client()
+        super().__init__(**kwargs)
 
 
 def _env(*names: str) -> str | None:
@@ -95,7 +155,7 @@ def _missing_extra(provider: str, library: str) -> ProviderUnavailable:
     )
 
 
-def anthropic_client(traced: bool = False) -> ModelClient:
+def anthropic_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
     """The Anthropic API: the key from ANTHROPIC_API_KEY (ANTHROPIC_BASE_URL as the SDK reads
     it, for a gateway or the scripted server)."""
     key = os.environ.get("ANTHROPIC_API_KEY")
@@ -105,10 +165,10 @@ def anthropic_client(traced: bool = False) -> ModelClient:
             "Secret), or point ANTHROPIC_BASE_URL at agentrun fake-anthropic with any key to run "
             "offline"
         )
-    return AsyncAnthropic(api_key=key, **client_options(traced))
+    return AsyncAnthropic(api_key=key, transport=transport, **client_options(traced))
 
 
-def bedrock_client(traced: bool = False) -> ModelClient:
+def bedrock_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
     """Amazon Bedrock through the SDK's AsyncAnthropicBedrock: the region from AWS_REGION or
     AWS_DEFAULT_REGION (or the AWS profile's), requests signed (SigV4) with what boto3's default
     credential chain finds; or, with AWS_BEARER_TOKEN_BEDROCK set, that Bedrock API key."""
@@ -150,7 +210,7 @@ def bedrock_client(traced: bool = False) -> ModelClient:
     return Bedrock(**client_options(traced))
 
 
-def vertex_client(traced: bool = False) -> ModelClient:
+def vertex_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
     """Google Vertex AI through the SDK's AsyncAnthropicVertex: the region from CLOUD_ML_REGION,
     the project from ANTHROPIC_VERTEX_PROJECT_ID (else the credentials' own), tokens from
     google-auth's Application Default Credentials, refreshed by the SDK as they expire."""

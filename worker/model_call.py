@@ -40,7 +40,7 @@ import anthropic
 import httpx2 as httpx  # anthropic >= 2 ships its HTTP client as httpx2
 from anthropic._constants import RAW_RESPONSE_HEADER
 from anthropic._models import FinalRequestOptions
-from anthropic._utils._json import openapi_dumps, openapi_dumps_str
+from anthropic._utils._json import openapi_dumps_str
 from jiter import from_json
 
 from agentrun.manifests import DEFAULT_MAX_TOKENS
@@ -156,19 +156,24 @@ def place_breakpoints(
     return out, new_tools, new_system
 
 
-def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The request body, entirely from the run's pinned prompt version plus its history.
+#: The parts of a request sent in canonical key order (sorted, as the prompt version is stored):
+#: the resolved tool definitions (insertion order), the history rebuilt from JSONB (its own key
+#: order) and the live turns (the SDK's order) would otherwise serialize to different bytes
+#: before and after a resume, and the provider's prompt cache would miss.
+CANONICAL_PARTS = frozenset({"messages", "system", "tools"})
 
-    Tools and messages go in canonical key order, the order the prompt version is stored in:
-    the resolved tool definitions (insertion order), the history rebuilt from JSONB (its own key
-    order) and the live turns (the SDK's order) would otherwise serialize to different bytes
-    before and after a resume, and the provider's prompt cache would miss. With
+
+def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The request, entirely from the run's pinned prompt version plus its history. With
     ``prompt_caching`` in the pinned params, :func:`place_breakpoints` adds the cache_control
-    breakpoints."""
+    breakpoints.
+
+    Its :data:`CANONICAL_PARTS` are sent in canonical key order, put so where it is encoded:
+    :func:`_body` writes each straight into the body (one encoding of the history a turn, where
+    putting the order into the dicts took three: the whole conversation to JSON, back, and to
+    JSON again in the SDK, every turn of every run), and :func:`canonical_request` puts it into
+    the dicts for the SDK's own route."""
     caching = bool(pv.params.get("prompt_caching"))
-    # Canonical once, below: the breakpoints depend on roles and positions alone, so placing
-    # them before does not change the bytes (the history was canonicalized twice a turn: the
-    # whole conversation through JSON and back, every turn of every run).
     history: list[dict[str, Any]] = messages
     tools = pv.tools or None
     system: Any = pv.system or None
@@ -177,16 +182,22 @@ def build_request(pv: PromptVersion, messages: list[dict[str, Any]]) -> dict[str
     req: dict[str, Any] = {
         "model": pv.model,
         "max_tokens": int(pv.params.get("max_tokens", DEFAULT_MAX_TOKENS)),
-        "messages": _canonical(history),
+        "messages": history,
     }
     if system:
-        req["system"] = _canonical(system)
+        req["system"] = system
     if tools:
-        req["tools"] = _canonical(tools)
+        req["tools"] = tools
     thinking = pv.params.get("thinking")
     if thinking:
         req["thinking"] = {"type": "enabled", "budget_tokens": int(thinking["budget_tokens"])}
     return req
+
+
+def canonical_request(request: dict[str, Any]) -> dict[str, Any]:
+    """``request`` with its :data:`CANONICAL_PARTS` in canonical key order, for an encoder that
+    keeps the order of the dicts it is given (the SDK's)."""
+    return {k: _canonical(v) if k in CANONICAL_PARTS else v for k, v in request.items()}
 
 
 def _retry_after(exc: Exception) -> float | None:
@@ -393,14 +404,25 @@ async def _stream_turn(
     )
 
 
+def _canonical_text(value: Any) -> str:
+    # The SDK's encoder's settings (anthropic._utils._json), keys sorted: canonical_json's bytes.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
 def _body(request: dict[str, Any]) -> bytes:
-    """The streamed request's JSON as the SDK writes it, a lone surrogate escaped as the
-    clients of worker/client.py escape it (the SDK's encoder cannot write one as UTF-8)."""
-    body = {**request, "stream": True}
+    """The streamed request's JSON as the SDK writes ``canonical_request(request)``, written in
+    one pass, a lone surrogate escaped as the clients of worker/client.py escape it (the SDK's
+    encoder cannot write one as UTF-8)."""
+    text = "{" + ",".join(
+        f"{openapi_dumps_str(key)}:"
+        f"{_canonical_text(value) if key in CANONICAL_PARTS else openapi_dumps_str(value)}"
+        for key, value in {**request, "stream": True}.items()
+    ) + "}"
     try:
-        return openapi_dumps(body)
+        return text.encode()
     except UnicodeEncodeError:
-        return escape_surrogates(openapi_dumps_str(body))
+        return escape_surrogates(text)
 
 
 async def _read_stream(
@@ -526,7 +548,7 @@ async def _stream_turn_sdk(
     on_first_event: OnEvent | None,
 ) -> ModelTurn:
     """One turn through the SDK's events (Bedrock, Vertex, a traced client, RAW_STREAM off)."""
-    async with client.messages.stream(**request) as stream:
+    async with client.messages.stream(**canonical_request(request)) as stream:
         events = aiter(stream)
         first, stopped = True, False
         while True:

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from agentrun.worker.settings import MODEL_TRANSPORTS
+
 if TYPE_CHECKING:
     from anthropic.resources.messages import AsyncMessages
 
@@ -48,7 +50,7 @@ class TransientExhausted(Exception):
     """Transient failures outlasted the retry budget; the worker gives the claim up."""
 
 
-Factory = Callable[[bool], ModelClient]  # traced -> a client
+Factory = Callable[[bool, str], ModelClient]  # (traced, the model transport) -> a client
 
 
 def _sdk_factories() -> Mapping[str, Factory]:
@@ -87,11 +89,13 @@ class Providers:
         *,
         default: ModelClient | None = None,
         traced: bool = False,
+        transport: str = MODEL_TRANSPORTS[0],
     ) -> None:
         self._clients: dict[str, ModelClient] = {}
         self._factories = factories
         self._default = default
         self._traced = traced
+        self._transport = transport  # WorkerSettings.model_transport, checked there
         # One per provider: a slow credential probe of one (a metadata server that does not
         # answer) holds up no run of another.
         self._locks: dict[str, asyncio.Lock] = {}
@@ -117,7 +121,7 @@ class Providers:
             raise ProviderUnavailable(
                 f"provider {provider!r} is not one this worker knows ({', '.join(factories)})"
             )
-        return factory(self._traced)
+        return factory(self._traced, self._transport)
 
     async def close(self) -> None:
         """Close the clients it made (``default`` is its caller's to close)."""

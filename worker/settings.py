@@ -66,6 +66,10 @@ def env_name(flag: str) -> str:
     return "AGENTRUN_" + flag.removeprefix("--").replace("-", "_").upper()
 
 
+#: The first-party API's HTTP transports (AGENTRUN_MODEL_TRANSPORT; worker/client.py): the SDK's
+#: aiohttp one, the default, or the SDK's own default, httpx.
+MODEL_TRANSPORTS = ("aiohttp", "httpx")
+
 #: The health port's default (AGENTRUN_HEALTH_PORT, --health-port).
 DEFAULT_HEALTH_PORT = 8080
 
@@ -100,6 +104,7 @@ class WorkerSettings:
     worker_id: str = field(default_factory=default_worker_id)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     prices: PriceTable = BUILT_IN  # --prices FILE (agentrun.pricing.load_prices)
+    model_transport: str = MODEL_TRANSPORTS[0]  # AGENTRUN_MODEL_TRANSPORT
 
     @classmethod
     def from_env(cls, *, prices: bool = True) -> WorkerSettings:
@@ -129,6 +134,7 @@ class WorkerSettings:
                 deadline=env_float(env_name("--model-deadline"), retry.deadline),
             ),
             prices=load_prices(prices_file) if prices else d.prices,
+            model_transport=os.environ.get(env_name("--model-transport")) or d.model_transport,
         )
 
 
@@ -173,6 +179,10 @@ def check_settings(s: WorkerSettings) -> None:
         raise bad("--tool-timeout", s.tool_timeout,
                   f"must be more than 0 (seconds a tool call may take unless it declares "
                   f"@tool(timeout=...); default {DEFAULT_TOOL_TIMEOUT:g})")
+    if s.model_transport not in MODEL_TRANSPORTS:
+        raise bad("--model-transport", repr(s.model_transport),
+                  f"choose {' or '.join(MODEL_TRANSPORTS)} (the first-party API's HTTP "
+                  f"transport; default {MODEL_TRANSPORTS[0]})")
     if not (finite(s.progress_budget) and s.progress_budget > 0):
         raise bad("--progress-budget", s.progress_budget,
                   f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")

@@ -746,7 +746,7 @@ def check_ports(ports: Sequence[tuple[str, str, int | None]], host: str = LISTEN
 #: are handled by hand in worker_settings).
 _WORKER_FLAGS = ("pool", "concurrency", "lease_ttl", "poll_interval", "idle_interval",
                  "drain_grace", "liveness_threshold", "progress_budget", "tool_timeout",
-                 "worker_id")
+                 "worker_id", "model_transport")
 
 
 def worker_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -798,7 +798,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     tracer_provider = setup_tracing(worker_id=settings.worker_id)  # None unless OTEL_* ask
     # Each provider's client is made when a run first needs it (a bedrock-only pool needs no
     # Anthropic key).
-    client = Providers(traced=tracer_provider is not None)
+    client = Providers(traced=tracer_provider is not None, transport=settings.model_transport)
     # About 2 s of CPU to import the SDK: in a thread, off the way to the first claim
     # (worker/providers.py). Started once this process's own imports are done (they share one
     # GIL): it runs while the worker waits on the database, and a run claimed before it ends
@@ -1119,6 +1119,9 @@ def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentP
          "retries of one model call after a transient failure", type=int)
     flag("--model-deadline", w.retry.deadline,
          "seconds one model call may take in all (a transient failure past it)", type=float)
+    flag("--model-transport", w.model_transport,
+         "HTTP transport to the Anthropic API: aiohttp (the SDK's aiohttp client, a third less "
+         "CPU per step) or httpx (the SDK's default)")
     flag("--tool-timeout", w.tool_timeout,
          "seconds a tool call may take, for tools that declare no @tool(timeout=...)",
          type=float)

@@ -204,24 +204,45 @@ class PromptCache:
         return hashlib.sha256(canonical_json([model, items]).encode("utf-8", "surrogatepass")
                               ).hexdigest()
 
+    @staticmethod
+    def _prefix_keys(model: Any, parts: list[str], upto: int) -> list[str]:
+        """``_key(model, items[:n])`` for every n up to ``upto``, from each item's canonical JSON
+        (``parts``) hashed once: the same bytes as the canonical JSON of each prefix, in one pass
+        instead of one per prefix (a request checks up to CACHE_LOOKBACK_BLOCKS of them at each
+        breakpoint, and the history grows every turn)."""
+        h = hashlib.sha256(f"[{canonical_json(model)},[".encode("utf-8", "surrogatepass"))
+        keys = []
+        for n in range(upto + 1):
+            if n:
+                h.update((b"," if n > 1 else b"") + parts[n - 1].encode("utf-8", "surrogatepass"))
+            end = h.copy()
+            end.update(b"]]")
+            keys.append(end.hexdigest())
+        return keys
+
     def account(self, body: dict[str, Any]) -> dict[str, int]:
         """The usage fields of the prompt, and the breakpoints' prefixes written."""
         items, marks = prompt_blocks(body)
-        model = body.get("model")
-        total = estimate_tokens(items)
+        parts = [canonical_json(item) for item in items]
+        keys = self._prefix_keys(body.get("model"), parts, max(marks, default=0))
+        # len(canonical_json(items[:n])) without writing it: the parts, their commas, brackets.
+        ends = [0]
+        for part in parts:
+            ends.append(ends[-1] + len(part))
 
-        def tokens(n: int) -> int:
-            return estimate_tokens(items[:n]) if n else 0
+        def tokens(n: int) -> int:  # estimate_tokens(items[:n])
+            return max(1, (ends[n] + n + 1) // 4) if n else 0
 
+        total = tokens(len(items)) if items else estimate_tokens(items)
         read = 0
         for mark in marks:
             for n in range(mark, max(0, mark - CACHE_LOOKBACK_BLOCKS) - 1, -1):
-                if n > read and self._key(model, items[:n]) in self._written:
+                if n > read and keys[n] in self._written:
                     read = n
                     break
         written = max(marks, default=0)
         for mark in marks:
-            self._written.add(self._key(model, items[:mark]))
+            self._written.add(keys[mark])
         read_tokens = tokens(read)
         write_tokens = max(0, tokens(written) - read_tokens) if written > read else 0
         return {

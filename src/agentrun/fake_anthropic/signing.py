@@ -70,12 +70,26 @@ def invalid_signature_message(message_index: int, block_index: int) -> str:
     return f"{where}: Invalid `signature` in `thinking` block"
 
 
+def _b(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
 def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
     """Check every thinking block of every assistant message against the request's own
-    model/system/tools/messages[:i]; return the first error message, or None when all verify."""
+    model/system/tools/messages[:i]; return the first error message, or None when all verify.
+
+    Each block's expected signature is :func:`sign_thinking`'s, computed without writing the
+    whole binding again for each block: its canonical JSON (keys sorted: messages_before, model,
+    system, thinking_text, tools) is the messages' canonical JSON, one by one, then a tail, so
+    one HMAC takes each message once and is copied at each block (a history of n turns is
+    hashed in O(n), not O(n^2))."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
+    mac = hmac.new(secret.encode(), b'{"messages_before":[', hashlib.sha256)
+    hashed = 0  # messages[:hashed] are in mac
+    rest: str | None = None  # the binding after messages_before up to the thinking text
+
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") != "assistant":
             continue
@@ -89,14 +103,18 @@ def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
             thinking = block.get("thinking")
             if not isinstance(signature, str) or not isinstance(thinking, str):
                 return invalid_signature_message(i, k)
-            expected = sign_thinking(
-                secret,
-                model=body.get("model"),
-                system=body.get("system"),
-                tools=body.get("tools"),
-                messages_before=messages[:i],
-                thinking=thinking,
-            )
+            for m in messages[hashed:i]:
+                mac.update((b"," if hashed else b"") + _b(canonical_json(strip_cache_control(m))))
+                hashed += 1
+            if rest is None:
+                rest = "".join(f"{sep}{canonical_json(key)}:"
+                               f"{canonical_json(strip_cache_control(body.get(key)))}"
+                               for sep, key in (("],", "model"), (",", "system")))
+            tail = (f"{rest},\"thinking_text\":{canonical_json(thinking)},\"tools\":"
+                    f"{canonical_json(strip_cache_control(body.get('tools')))}}}")
+            mine = mac.copy()
+            mine.update(_b(tail))
+            expected = base64.b64encode(mine.digest()).decode("ascii")
             if not hmac.compare_digest(expected, signature):
                 return invalid_signature_message(i, k)
     return None
