@@ -52,7 +52,7 @@ from anthropic._vendor.httpx_aiohttp import AiohttpTransport
 
 from agentrun.manifests import PROVIDERS
 from agentrun.worker.providers import Factory, ModelClient, ProviderUnavailable
-from agentrun.worker.settings import MODEL_TRANSPORTS
+from agentrun.worker.settings import DEFAULT_MODEL_TRANSPORT
 
 log = logging.getLogger("agentrun.worker")
 
@@ -106,6 +106,7 @@ KEEPALIVE: tuple[tuple[int, int, int], ...] = (
       if hasattr(socket, name)),
 )
 
+
 def _keepalive_socket(addr_info: AddrInfoType) -> socket.socket:
     family, type_, proto, _, _ = addr_info
     sock = socket.socket(family=family, type=type_, proto=proto)
@@ -138,7 +139,7 @@ class AsyncAnthropic(EscapeSurrogates, anthropic.AsyncAnthropic):
     """The first-party client, sending over :func:`aiohttp_client` unless given an
     ``http_client`` of its own or told ``transport="httpx"``."""
 
-    def __init__(self, *, transport: str = MODEL_TRANSPORTS[0], **kwargs: Any) -> None:
+    def __init__(self, *, transport: str = DEFAULT_MODEL_TRANSPORT, **kwargs: Any) -> None:
         if transport == "aiohttp" and kwargs.get("http_client") is None:
             kwargs["http_client"] = aiohttp_client()
         super().__init__(**kwargs)
@@ -155,7 +156,9 @@ def _missing_extra(provider: str, library: str) -> ProviderUnavailable:
     )
 
 
-def anthropic_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
+def anthropic_client(
+    traced: bool = False, transport: str = DEFAULT_MODEL_TRANSPORT
+) -> ModelClient:
     """The Anthropic API: the key from ANTHROPIC_API_KEY (ANTHROPIC_BASE_URL as the SDK reads
     it, for a gateway or the scripted server)."""
     key = os.environ.get("ANTHROPIC_API_KEY")
@@ -168,10 +171,14 @@ def anthropic_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0])
     return AsyncAnthropic(api_key=key, transport=transport, **client_options(traced))
 
 
-def bedrock_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
+def bedrock_client(
+    traced: bool = False, transport: str = DEFAULT_MODEL_TRANSPORT
+) -> ModelClient:
     """Amazon Bedrock through the SDK's AsyncAnthropicBedrock: the region from AWS_REGION or
     AWS_DEFAULT_REGION (or the AWS profile's), requests signed (SigV4) with what boto3's default
-    credential chain finds; or, with AWS_BEARER_TOKEN_BEDROCK set, that Bedrock API key."""
+    credential chain finds; or, with AWS_BEARER_TOKEN_BEDROCK set, that Bedrock API key.
+    ``transport`` is the first-party API's (every :data:`Factory` is given it): this client
+    sends over the SDK's default."""
     try:
         import boto3
         import botocore.exceptions
@@ -210,10 +217,14 @@ def bedrock_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -
     return Bedrock(**client_options(traced))
 
 
-def vertex_client(traced: bool = False, transport: str = MODEL_TRANSPORTS[0]) -> ModelClient:
+def vertex_client(
+    traced: bool = False, transport: str = DEFAULT_MODEL_TRANSPORT
+) -> ModelClient:
     """Google Vertex AI through the SDK's AsyncAnthropicVertex: the region from CLOUD_ML_REGION,
     the project from ANTHROPIC_VERTEX_PROJECT_ID (else the credentials' own), tokens from
-    google-auth's Application Default Credentials, refreshed by the SDK as they expire."""
+    google-auth's Application Default Credentials, refreshed by the SDK as they expire.
+    ``transport`` is the first-party API's (every :data:`Factory` is given it): this client
+    sends over the SDK's default."""
     try:
         import google.auth
         import google.auth.exceptions

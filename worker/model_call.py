@@ -405,7 +405,8 @@ async def _stream_turn(
 
 
 def _canonical_text(value: Any) -> str:
-    # The SDK's encoder's settings (anthropic._utils._json), keys sorted: canonical_json's bytes.
+    # canonical_json's bytes, a NaN or infinity refused as the SDK's encoder refuses it
+    # (anthropic._utils._json): the body must not hold what the API cannot parse.
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False)
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from agentrun.worker.settings import MODEL_TRANSPORTS
+from agentrun.worker.settings import DEFAULT_MODEL_TRANSPORT
 
 if TYPE_CHECKING:
     from anthropic.resources.messages import AsyncMessages
@@ -89,7 +89,7 @@ class Providers:
         *,
         default: ModelClient | None = None,
         traced: bool = False,
-        transport: str = MODEL_TRANSPORTS[0],
+        transport: str = DEFAULT_MODEL_TRANSPORT,
     ) -> None:
         self._clients: dict[str, ModelClient] = {}
         self._factories = factories

@@ -69,6 +69,7 @@ def env_name(flag: str) -> str:
 #: The first-party API's HTTP transports (AGENTRUN_MODEL_TRANSPORT; worker/client.py): the SDK's
 #: aiohttp one, the default, or the SDK's own default, httpx.
 MODEL_TRANSPORTS = ("aiohttp", "httpx")
+DEFAULT_MODEL_TRANSPORT = MODEL_TRANSPORTS[0]
 
 #: The health port's default (AGENTRUN_HEALTH_PORT, --health-port).
 DEFAULT_HEALTH_PORT = 8080
@@ -104,7 +105,7 @@ class WorkerSettings:
     worker_id: str = field(default_factory=default_worker_id)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     prices: PriceTable = BUILT_IN  # --prices FILE (agentrun.pricing.load_prices)
-    model_transport: str = MODEL_TRANSPORTS[0]  # AGENTRUN_MODEL_TRANSPORT
+    model_transport: str = DEFAULT_MODEL_TRANSPORT  # AGENTRUN_MODEL_TRANSPORT
 
     @classmethod
     def from_env(cls, *, prices: bool = True) -> WorkerSettings:
@@ -182,7 +183,7 @@ def check_settings(s: WorkerSettings) -> None:
     if s.model_transport not in MODEL_TRANSPORTS:
         raise bad("--model-transport", repr(s.model_transport),
                   f"choose {' or '.join(MODEL_TRANSPORTS)} (the first-party API's HTTP "
-                  f"transport; default {MODEL_TRANSPORTS[0]})")
+                  f"transport; default {DEFAULT_MODEL_TRANSPORT})")
     if not (finite(s.progress_budget) and s.progress_budget > 0):
         raise bad("--progress-budget", s.progress_budget,
                   f"must be more than 0 (seconds; default {DEFAULT_PROGRESS_BUDGET:g})")

@@ -230,10 +230,10 @@ class PromptCache:
         for part in parts:
             ends.append(ends[-1] + len(part))
 
-        def tokens(n: int) -> int:  # estimate_tokens(items[:n])
+        def tokens(n: int) -> int:  # estimate_tokens(items[:n]); nothing for no prefix
             return max(1, (ends[n] + n + 1) // 4) if n else 0
 
-        total = tokens(len(items)) if items else estimate_tokens(items)
+        total = max(1, tokens(len(items)))  # estimate_tokens(items), an empty prompt's too
         read = 0
         for mark in marks:
             for n in range(mark, max(0, mark - CACHE_LOOKBACK_BLOCKS) - 1, -1):
