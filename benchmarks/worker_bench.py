@@ -3,15 +3,16 @@
     python -m benchmarks.worker_bench [--turns 30] [--rounds 20] [--per-step-only] [--json FILE]
 
 1. Per-turn time with a zero-latency scripted model (agentrun fake-anthropic, in a process of its
-   own): an in-memory loop (messages in a Python list) next to agentrun's durable loop
-   (RunExecutor: rebuild from the log, commit each turn and each tool result, fenced). Fair: both
-   call the model with the worker's call_model and the tools through the same path (the
-   registry's validation and invocation, a thread hop unless the tool is inline), so the
-   difference is durability alone. Paired rounds, interleaved (in-memory, durable, ...): the
+   own): an in-memory loop (messages in a Python list) next to agentrun's durable loop (RunExecutor:
+   rebuild from the log, commit each turn and each tool result, fenced). Fair: both call the model
+   with the worker's call_model over the worker's own client (worker/client.py: its transport, the
+   stream read raw, the SDK's spans off, as ``agentrun worker`` sends) and the tools through the
+   same path (the registry's validation and invocation, a thread hop unless the tool is inline), so
+   the difference is durability alone. Paired rounds, interleaved (in-memory, durable, ...): the
    overhead is durable minus in-memory within each round, printed as median and p10-p90. The same
-   rounds time each lever off vs on (overlap of the results' commit with the next model call;
-   the first call's mark carried by the turn's append; inline tools) and the old, unfair figure
-   (the seed's loop: SDK stream helper, tool called directly, against the durable loop before the
+   rounds time each lever off vs on (overlap of the results' commit with the next model call; the
+   first call's mark carried by the turn's append; inline tools) and the old, unfair figure (the
+   seed's loop: SDK stream helper, tool called directly, against the durable loop before the
    levers). Goal: <= 1.0 ms per turn.
 2. Resume latency: a worker process is SIGKILLed (another resumes after the lease expires; goal:
    lease TTL + under 1 s) or SIGTERMed (it releases; goal: under 1 s).
@@ -50,6 +51,7 @@ from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import PromptVersion, Store
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry, default_registry, make_context
+from agentrun.worker.client import AsyncAnthropic, client_options
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import build_request, call_model
@@ -145,8 +147,8 @@ async def in_memory_loop(
 
 
 async def seed_loop(client: anthropic.AsyncAnthropic, task: str) -> int:
-    """The seed's loop (the old, unfair baseline): the SDK's own stream helper, and the tool
-    function called directly, with no validation and no thread hop."""
+    """The seed's loop (the old, unfair baseline): the SDK's own client as it comes and its
+    stream helper, and the tool function called directly, with no validation and no thread hop."""
     pv = prompt_for_agent()
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     turns = 0
@@ -189,7 +191,11 @@ LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "dur_no_car
 
 
 async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="bench", max_retries=0)
+    # Both loops under test call the model as the worker does; the seed's loop as the seed did.
+    # (A bare SDK client takes the SDK's events route: its OpenTelemetry tracer is on by default
+    # when opentelemetry is installed, which worker/model_call.py raw_route leaves to the SDK.)
+    client = AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
+    sdk_client = anthropic.AsyncAnthropic(base_url=base_url, api_key="bench", max_retries=0)
     store = await Store.open(url, max_size=4)
     metrics = WorkerMetrics()
     inline, thread = registry_for(True), registry_for(False)
@@ -210,7 +216,7 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     async def one(name: str) -> float:
         t0 = time.perf_counter()
         if name == "seed":
-            n = await seed_loop(client, "seed")
+            n = await seed_loop(sdk_client, "seed")
         elif name.startswith("mem"):
             n = await in_memory_loop(client, "in memory", thread if "thread" in name else inline)
         else:
@@ -227,6 +233,7 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     finally:
         await store.close()
         await client.close()
+        await sdk_client.close()
 
     def paired(a: str, b: str) -> dict[str, float]:
         return spread([x - y for x, y in zip(ms[a], ms[b], strict=True)])
@@ -254,6 +261,76 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
         out.update({f"{key}_ms": d["median"], f"{key}_p10_ms": d["p10"],
                     f"{key}_p90_ms": d["p90"]})
     out["ms_per_turn"] = {name: statistics.median(v) for name, v in ms.items()}
+    return out
+
+
+async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str, Any]:
+    """Where a durable turn's time goes: the model call, each kind of step append, the tools and
+    what a run costs once, timed inside ``runs`` durable loops (the shipped executor: inline
+    tools, overlap, the carried mark), next to the in-memory loop's model call; and each loop's
+    CPU time per turn in this
+    process (the scripted server and PostgreSQL are processes of their own). Medians, ms."""
+    import agentrun.worker.model_call as model_call
+
+    client = AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
+    store = await Store.open(url, max_size=4)
+    metrics = WorkerMetrics()
+    registry = registry_for(True)
+    executor = RunExecutor(store, Providers(default=client), registry, metrics,
+                           Health(60, metrics), NO_RETRY, is_draining=lambda: False)
+    samples: dict[str, list[float]] = {}
+    loop = ["dur"]
+
+    def timed(owner: Any, name: str, label: Callable[..., str]) -> Callable[[], None]:
+        original = getattr(owner, name)
+
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                samples.setdefault(label(*args), []).append((time.perf_counter() - t0) * 1000)
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, original)
+
+    try:
+        for _ in range(2):  # warm up
+            await durable_loop(store, executor, "warm")
+            await in_memory_loop(client, "warm", registry)
+        undo = [
+            timed(store, "append_step", lambda lease, seq, kind, *_: f"append {kind}"),
+            timed(executor, "run_tools", lambda *_: "tools"),
+            timed(model_call, "call_model", lambda *_: f"model call ({loop[0]})"),
+            # once a run: what the turns share
+            timed(store, "create_run", lambda *_: "per run: create"),
+            timed(store, "claim", lambda *_: "per run: claim"),
+            timed(store, "pin_prompt_version", lambda *_: "per run: pin the prompt"),
+            timed(store, "steps", lambda *_: "per run: read the log"),
+            timed(store, "finish", lambda *_: "per run: finish"),
+            timed(executor, "advance", lambda *_: "per run: advance, in all"),
+        ]
+        global call_model  # in_memory_loop's name for it, timed too
+        call_model = model_call.call_model
+        try:
+            cpu = {}
+            for name in ("dur", "mem"):
+                loop[0] = name
+                c0, n = time.process_time(), 0
+                for _ in range(runs):
+                    n += (await durable_loop(store, executor, "timed") if name == "dur"
+                          else await in_memory_loop(client, "timed", registry))
+                cpu[name] = (time.process_time() - c0) * 1000 / n
+        finally:
+            for u in undo:
+                u()
+            call_model = model_call.call_model
+    finally:
+        await store.close()
+        await client.close()
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in sorted(samples.items())}
+    out["advance per turn"] = out["per run: advance, in all"] / turns
+    out.update({f"cpu per turn ({k})": v for k, v in cpu.items()})
     return out
 
 
@@ -578,9 +655,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20, help="paired rounds (default 20)")
     ap.add_argument("--lease-ttl", type=float, default=5.0)
     ap.add_argument("--per-step-only", action="store_true", help="skip resume and cancel")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only time where a durable turn goes (model call, appends, tools, CPU)")
     ap.add_argument("--admin-url")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
+    if args.breakdown:
+        with throwaway_database("agentrun_wbench", args.admin_url) as url, fake_server(
+                scenario_file(Path(tempfile.mkdtemp(prefix="agentrun-bench-")), "plain",
+                              scenario(args.turns, thinking=False))) as base:
+            parts = asyncio.run(breakdown(url, base, args.turns, args.rounds))
+        print(f"where a durable turn goes ({args.rounds} runs of {args.turns} turns, no thinking "
+              "blocks; medians):")
+        for key, ms in parts.items():
+            print(f"  {key:32} {ms:7.3f} ms")
+        return 0
     with throwaway_database("agentrun_wbench", args.admin_url) as url:
 
         async def run() -> dict[str, Any]:

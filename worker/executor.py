@@ -44,7 +44,6 @@ from agentrun.tools import (
     ToolTimeout,
     UnknownToolError,
     idempotency_key,
-    make_context,
 )
 from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_reason
 from agentrun.worker.budget import Spend, over_budget
@@ -622,7 +621,7 @@ class RunExecutor:
         # Progress while it lasts, up to its timeout (the call is cut off there anyway).
         with h.progress.working(f"tool {name}",
                                 deadline=time.monotonic() + self._timeout(spec)):
-            outcome = await self._invoke(h, spec, turn_seq, index, name, args)
+            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key)
         crash_point("after_tool_return", turn_seq)
         if recorded:
             await record("done", outcome)
@@ -705,12 +704,13 @@ class RunExecutor:
 
     async def _invoke(
         self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
-        args: dict[str, Any],
+        args: dict[str, Any], key: str,
     ) -> dict[str, Any]:
         """Call the tool; retry what it declares transient (never an irreversible call)."""
         attempt = 1
         while True:
-            ctx = make_context(h.run_id, turn_seq, index, name, args, attempt, fence=h)
+            # make_context's, with the key call_tool derived once (a hash of the arguments)
+            ctx = ToolContext(h.run_id, turn_seq, index, name, key, attempt, fence=h)
             try:
                 outcome = await self._call(h, spec, ctx, args)
             except ToolRaised as raised:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -56,7 +57,8 @@ def budget_text(run: Run) -> str:
 
 def run_to_json(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in vars(run).items():
+    for column in fields(run):  # its columns only, not what a cached property keeps beside them
+        key, value = column.name, getattr(run, column.name)
         out[key] = (
             value.isoformat()
             if isinstance(value, datetime)

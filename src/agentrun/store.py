@@ -30,6 +30,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import cached_property
 from typing import Any, Literal, Self, overload
 from uuid import UUID
 
@@ -446,10 +447,11 @@ class Run:
     def finished(self) -> bool:
         return self.status in TERMINAL_STATUSES
 
-    @property
+    @cached_property
     def agent(self) -> AgentSpec:
         """The pinned agent spec, validated back into its model (a ValidationError if it does
-        not validate; see :class:`agentrun.manifests.PinnedAgentSpec`)."""
+        not validate; see :class:`agentrun.manifests.PinnedAgentSpec`). Validated once per Run
+        read (the pinned spec never changes): the worker asks for it at every tool call."""
         return PinnedAgentSpec.model_validate(self.agent_spec)
 
     @property
