@@ -51,10 +51,11 @@ from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import PromptVersion, Store
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry, default_registry, make_context
+from agentrun.worker import model_call
 from agentrun.worker.client import AsyncAnthropic, client_options
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.model_call import build_request, call_model
+from agentrun.worker.model_call import build_request
 from agentrun.worker.providers import Providers
 from agentrun.worker.settings import RetryPolicy
 from benchmarks.bench_tools import echo
@@ -134,7 +135,8 @@ async def in_memory_loop(
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     turns = 0
     while True:
-        turn = await call_model(client, build_request(pv, messages), policy=NO_RETRY)
+        # Looked up at each turn, as RunExecutor.advance imports it: --breakdown times both.
+        turn = await model_call.call_model(client, build_request(pv, messages), policy=NO_RETRY)
         turns += 1
         content = turn.payload["content"]
         messages.append({"role": "assistant", "content": content})
@@ -190,11 +192,16 @@ LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "dur_no_car
          "dur_old")
 
 
+def worker_client(base_url: str) -> AsyncAnthropic:
+    """The model client as ``agentrun worker`` makes it (worker/client.py), at ``base_url``."""
+    return AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
+
+
 async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
     # Both loops under test call the model as the worker does; the seed's loop as the seed did.
     # (A bare SDK client takes the SDK's events route: its OpenTelemetry tracer is on by default
     # when opentelemetry is installed, which worker/model_call.py raw_route leaves to the SDK.)
-    client = AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
+    client = worker_client(base_url)
     sdk_client = anthropic.AsyncAnthropic(base_url=base_url, api_key="bench", max_retries=0)
     store = await Store.open(url, max_size=4)
     metrics = WorkerMetrics()
@@ -268,11 +275,9 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
     """Where a durable turn's time goes: the model call, each kind of step append, the tools and
     what a run costs once, timed inside ``runs`` durable loops (the shipped executor: inline
     tools, overlap, the carried mark), next to the in-memory loop's model call; and each loop's
-    CPU time per turn in this
-    process (the scripted server and PostgreSQL are processes of their own). Medians, ms."""
-    import agentrun.worker.model_call as model_call
-
-    client = AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
+    CPU time per turn in this process (the scripted server and PostgreSQL are processes of their
+    own). Medians, ms."""
+    client = worker_client(base_url)
     store = await Store.open(url, max_size=4)
     metrics = WorkerMetrics()
     registry = registry_for(True)
@@ -310,8 +315,6 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
             timed(store, "finish", lambda *_: "per run: finish"),
             timed(executor, "advance", lambda *_: "per run: advance, in all"),
         ]
-        global call_model  # in_memory_loop's name for it, timed too
-        call_model = model_call.call_model
         try:
             cpu = {}
             for name in ("dur", "mem"):
@@ -324,7 +327,6 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
         finally:
             for u in undo:
                 u()
-            call_model = model_call.call_model
     finally:
         await store.close()
         await client.close()

@@ -176,9 +176,7 @@ def bedrock_client(
 ) -> ModelClient:
     """Amazon Bedrock through the SDK's AsyncAnthropicBedrock: the region from AWS_REGION or
     AWS_DEFAULT_REGION (or the AWS profile's), requests signed (SigV4) with what boto3's default
-    credential chain finds; or, with AWS_BEARER_TOKEN_BEDROCK set, that Bedrock API key.
-    ``transport`` is the first-party API's (every :data:`Factory` is given it): this client
-    sends over the SDK's default."""
+    credential chain finds; or, with AWS_BEARER_TOKEN_BEDROCK set, that Bedrock API key."""
     try:
         import boto3
         import botocore.exceptions
@@ -222,9 +220,7 @@ def vertex_client(
 ) -> ModelClient:
     """Google Vertex AI through the SDK's AsyncAnthropicVertex: the region from CLOUD_ML_REGION,
     the project from ANTHROPIC_VERTEX_PROJECT_ID (else the credentials' own), tokens from
-    google-auth's Application Default Credentials, refreshed by the SDK as they expire.
-    ``transport`` is the first-party API's (every :data:`Factory` is given it): this client
-    sends over the SDK's default."""
+    google-auth's Application Default Credentials, refreshed by the SDK as they expire."""
     try:
         import google.auth
         import google.auth.exceptions

@@ -50,7 +50,9 @@ class TransientExhausted(Exception):
     """Transient failures outlasted the retry budget; the worker gives the claim up."""
 
 
-Factory = Callable[[bool, str], ModelClient]  # (traced, the model transport) -> a client
+#: (traced, the model transport) -> a client. The transport is the first-party API's
+#: (worker/client.py); the Bedrock and Vertex factories take it and send over the SDK's default.
+Factory = Callable[[bool, str], ModelClient]
 
 
 def _sdk_factories() -> Mapping[str, Factory]:
