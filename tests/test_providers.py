@@ -398,3 +398,42 @@ async def test_bedrock_signs_the_escaped_bytes_of_a_lone_surrogate_for_an_infere
     (entry,) = srv.requests()
     assert entry["status"] == 200 and entry["model"] == arn
     assert "echo \\ud800" in entry["body"]
+
+
+def test_the_workers_import_threads_import_one_module_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two threads importing one package's modules at once can trip CPython's import deadlock
+    # detection (CI: KeyError: 'aiohttp' in the health server's import beside the SDK thread's).
+    # import_in_turn lets the second start only when the first is done.
+    import builtins
+    import sys
+    import threading
+
+    from agentrun.worker.providers import import_in_turn
+
+    entered, gate, second_done = threading.Event(), threading.Event(), threading.Event()
+    monkeypatch.setattr(builtins, "_agentrun_test_import_gate", (entered, gate), raising=False)
+    (tmp_path / "agentrun_slow_import.py").write_text(
+        "import builtins\nentered, gate = builtins._agentrun_test_import_gate\n"
+        "entered.set()\ngate.wait(60)\n")
+    (tmp_path / "agentrun_quick_import.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("agentrun_slow_import", "agentrun_quick_import"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    first = threading.Thread(target=import_in_turn, args=("agentrun_slow_import",))
+    second = threading.Thread(
+        target=lambda: (import_in_turn("agentrun_quick_import"), second_done.set()))
+    first.start()
+    try:
+        assert entered.wait(60)
+        second.start()
+        # Without the lock the quick import ends at once; with it, it waits for the gate.
+        assert not second_done.wait(0.5)
+    finally:
+        gate.set()
+        first.join(60)
+    second.join(60)
+    assert second_done.is_set() and sys.modules["agentrun_quick_import"].VALUE == 1
+    for name in ("agentrun_slow_import", "agentrun_quick_import"):
+        sys.modules.pop(name, None)

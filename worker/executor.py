@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +48,13 @@ from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_rea
 from agentrun.worker.budget import Spend, over_budget
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.liveness import Progress
-from agentrun.worker.providers import SDK_MODULES, ModelClient, Providers, ProviderUnavailable
+from agentrun.worker.providers import (
+    SDK_MODULES,
+    ModelClient,
+    Providers,
+    ProviderUnavailable,
+    import_in_turn,
+)
 from agentrun.worker.settings import RetryPolicy
 from agentrun.worker.tracing import RunTracer
 
@@ -299,7 +304,7 @@ class RunExecutor:
         # The SDK's modules: off the worker's claim path (worker/providers.py). Imported in a
         # thread, so that a run claimed while `agentrun worker` still imports them in the
         # background waits for that import without holding the event loop (its heartbeats).
-        await asyncio.to_thread(importlib.import_module, SDK_MODULES[-1])
+        await asyncio.to_thread(import_in_turn, SDK_MODULES[-1])
         from agentrun.worker.model_call import build_request, call_model  # imported: at once
         run = h.run
         try:

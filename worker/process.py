@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -67,6 +66,7 @@ from agentrun.worker.providers import (
     PermanentModelError,
     Providers,
     TransientExhausted,
+    import_in_turn,
 )
 from agentrun.worker.settings import WorkerSettings, check_settings
 from agentrun.worker.tracing import RunTracer
@@ -476,8 +476,9 @@ class Worker:
         runners: list[web.AppRunner] = []
         if s.health_port is None and s.control_port is None:
             return runners
-        # aiohttp costs about 0.2 s to import: in a thread, beside the first claim (serve).
-        await asyncio.to_thread(importlib.import_module, "aiohttp.web")
+        # aiohttp costs about 0.2 s to import: in a thread, beside the first claim (serve), in
+        # turn with the SDK's import thread (which imports aiohttp too).
+        await asyncio.to_thread(import_in_turn, "aiohttp.web")
         try:
             if s.health_port is not None:
                 runner, self.health_port = await self._serve(

@@ -15,6 +15,7 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from agentrun.worker.settings import DEFAULT_MODEL_TRANSPORT
@@ -26,6 +27,19 @@ log = logging.getLogger("agentrun.worker")
 
 #: The modules a worker imports off its claim path, in this order.
 SDK_MODULES = ("agentrun.worker.client", "agentrun.worker.model_call")
+
+# One import at a time for the worker's import threads (import_in_turn).
+_IMPORTING = threading.Lock()
+
+
+def import_in_turn(name: str) -> ModuleType:
+    """``importlib.import_module(name)``, one at a time among the threads that import off the
+    event loop. Two threads importing modules of one package at once can each wait for a module
+    the other is importing; CPython's deadlock detection then fails one of the imports. Seen in
+    CI: the health server's ``aiohttp.web`` failed with ``KeyError: 'aiohttp'`` while this
+    module's SDK thread imported the aiohttp the first-party client sends over."""
+    with _IMPORTING:
+        return importlib.import_module(name)
 
 
 class ModelClient(Protocol):
@@ -70,7 +84,7 @@ def import_sdk_in_background() -> threading.Thread:
     def run() -> None:
         for name in SDK_MODULES:
             try:
-                importlib.import_module(name)
+                import_in_turn(name)
             except Exception:
                 return
 
