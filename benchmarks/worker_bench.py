@@ -659,16 +659,19 @@ def main() -> int:
     ap.add_argument("--per-step-only", action="store_true", help="skip resume and cancel")
     ap.add_argument("--breakdown", action="store_true",
                     help="only time where a durable turn goes (model call, appends, tools, CPU)")
+    ap.add_argument("--thinking", action="store_true",
+                    help="with --breakdown: the scripted turns carry thinking blocks")
     ap.add_argument("--admin-url")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.breakdown:
         with throwaway_database("agentrun_wbench", args.admin_url) as url, fake_server(
                 scenario_file(Path(tempfile.mkdtemp(prefix="agentrun-bench-")), "plain",
-                              scenario(args.turns, thinking=False))) as base:
+                              scenario(args.turns, thinking=args.thinking))) as base:
             parts = asyncio.run(breakdown(url, base, args.turns, args.rounds))
-        print(f"where a durable turn goes ({args.rounds} runs of {args.turns} turns, no thinking "
-              "blocks; medians):")
+        blocks = "with" if args.thinking else "no"
+        print(f"where a durable turn goes ({args.rounds} runs of {args.turns} turns, {blocks} "
+              "thinking blocks; medians):")
         for key, ms in parts.items():
             print(f"  {key:32} {ms:7.3f} ms")
         return 0
