@@ -53,7 +53,7 @@ from agentrun.store import PromptVersion, Store
 from agentrun.tools import DEFAULT_TOOL_TIMEOUT, ToolRegistry, default_registry, make_context
 from agentrun.worker import model_call
 from agentrun.worker.client import AsyncAnthropic, client_options
-from agentrun.worker.executor import RunExecutor, RunHandle
+from agentrun.worker.executor import RunExecutor, RunHandle, prompt_version_of
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.model_call import build_request
 from agentrun.worker.providers import Providers
@@ -95,12 +95,11 @@ def registry_for(inline: bool) -> ToolRegistry:
 
 
 def prompt_for_agent(registry: ToolRegistry = REGISTRY) -> PromptVersion:
-    return PromptVersion(
-        model=AGENT.model,
-        system=AGENT.system,
-        tools=registry.definitions(["echo"]),
-        params={"max_tokens": 1024},
-    )
+    """The prompt version a run of AGENT pins (RunExecutor's own), so the in-memory loops send
+    the same requests as the durable one: the cache_control breakpoints of promptCaching (on by
+    default) included. Before, they sent none, and building and serving the breakpoints (in the
+    worker and in the scripted server) was charged to durability."""
+    return prompt_version_of(AGENT, AGENT.model, registry)
 
 
 async def tool_path(

@@ -59,6 +59,7 @@ from agentrun.worker.settings import RetryPolicy
 from agentrun.worker.tracing import RunTracer
 
 if TYPE_CHECKING:
+    from agentrun.manifests import AgentSpec
     from agentrun.worker.model_call import ModelTurn
 
 log = logging.getLogger("agentrun.worker.run")
@@ -207,7 +208,12 @@ def final_text(payload: dict[str, Any]) -> str:
 
 def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
     """Resolve the run's pinned agent spec against this worker's tools (first claim only)."""
-    spec = run.agent
+    return prompt_version_of(run.agent, run.model, registry)
+
+
+def prompt_version_of(spec: AgentSpec, model: str, registry: ToolRegistry) -> PromptVersion:
+    """The prompt version an agent spec pins with this worker's tools (and what the benchmarks'
+    in-memory loops send, so that they ask the model exactly what a run asks it)."""
     names: list[str] = list(spec.tools)
     missing = registry.check(names)
     if missing:
@@ -223,7 +229,7 @@ def prompt_for(run: Run, registry: ToolRegistry) -> PromptVersion:
     if spec.thinking is not None:
         params["thinking"] = {"budget_tokens": spec.thinking.budget_tokens}
     return PromptVersion(
-        model=run.model,
+        model=model,
         system=spec.system,
         tools=registry.definitions(names),
         params=params,
