@@ -113,3 +113,35 @@ async def test_a_resumed_worker_sends_the_same_bytes_and_reads_the_dead_ones_cac
         killed["usage"]["cache_read_input_tokens"] + killed["usage"]["cache_creation_input_tokens"]
     )
     await assert_totals_are_the_steps_sum(store, done)
+
+
+def test_breakpoints_copy_only_what_they_mark_and_never_touch_the_history() -> None:
+    """place_breakpoints shares the unmarked messages' blocks with the history (a turn no longer
+    copies every block of a long conversation) and writes nothing into it: the history is what
+    the step log holds, and a breakpoint that leaked into it would change every later request."""
+    from agentrun.worker.model_call import EPHEMERAL, place_breakpoints
+
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                          {"type": "tool_use", "id": "t1", "name": "echo",
+                                           "input": {"text": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "echo",
+                                           "input": {"text": "y"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "y"}]},
+    ]
+    tools = [{"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}]
+    before = json.dumps([history, tools])
+    out, new_tools, system = place_breakpoints(history, tools, "sys")
+    assert json.dumps([history, tools]) == before  # nothing written into what was passed
+    marked = [(i, j) for i, m in enumerate(out) for j, b in enumerate(m["content"])
+              if "cache_control" in b]
+    # The newest block, and the last block of the previous request (before the newest turn).
+    assert marked == [(2, 0), (4, 0)]
+    assert out[4]["content"][0]["cache_control"] == EPHEMERAL
+    assert out[0]["content"] == [{"type": "text", "text": "task"}]  # a string: one text block
+    assert out[1]["content"] is history[1]["content"]  # unmarked: shared, not copied
+    assert new_tools is not None and "cache_control" in new_tools[-1]
+    assert "cache_control" not in new_tools[0] and new_tools[0] is tools[0]
+    assert system == [{"type": "text", "text": "sys", "cache_control": EPHEMERAL}]

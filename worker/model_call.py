@@ -122,10 +122,13 @@ MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
 
 def _blocks(content: Any) -> list[dict[str, Any]]:
     """Content as a list of blocks: a string becomes one text block, in every turn alike, so a
-    message reads the same bytes whether or not it carries this turn's breakpoint."""
+    message reads the same bytes whether or not it carries this turn's breakpoint. A list is
+    returned as it is, shared with the history (never written to: place_breakpoints copies the
+    one block it marks and the list that holds it), so a turn copies two messages, not all."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [dict(b) for b in content]
+    blocks: list[dict[str, Any]] = content
+    return blocks
 
 
 def place_breakpoints(
@@ -139,20 +142,19 @@ def place_breakpoints(
     the last block of the previous turn's last message, the prefix the previous turn wrote, so
     this turn reads it even when the new turn added more blocks than the API looks back over."""
     out = [{"role": m["role"], "content": _blocks(m["content"])} for m in messages]
-    new_tools = [dict(t) for t in tools] if tools else None
-    if new_tools:
-        new_tools[-1]["cache_control"] = dict(EPHEMERAL)
+    new_tools = [*tools[:-1], {**tools[-1], "cache_control": dict(EPHEMERAL)}] if tools else None
     new_system = (
         [{"type": "text", "text": system, "cache_control": dict(EPHEMERAL)}] if system else None
     )
     marks = [len(out) - 1]
     # The previous request ended with the message before the newest assistant turn.
-    assistants = [i for i, m in enumerate(out) if m["role"] == "assistant"]
-    if assistants and assistants[-1] - 1 >= 0 and assistants[-1] - 1 != marks[0]:
-        marks.append(assistants[-1] - 1)
+    newest = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "assistant"), None)
+    if newest is not None and newest - 1 >= 0 and newest - 1 != marks[0]:
+        marks.append(newest - 1)
     for i in marks[: MAX_BREAKPOINTS - 2]:
-        if out[i]["content"]:
-            out[i]["content"][-1]["cache_control"] = dict(EPHEMERAL)
+        content = out[i]["content"]
+        if content:
+            out[i]["content"] = [*content[:-1], {**content[-1], "cache_control": dict(EPHEMERAL)}]
     return out, new_tools, new_system
 
 
