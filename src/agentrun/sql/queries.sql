@@ -232,7 +232,10 @@ RETURNING seq, created_at, (SELECT count(*) FROM followed) AS notified;
 -- duplicate rolls back the same way): the rows RETURNING leaves out were fenced off or duplicates,
 -- and fence_states tells which. The run ids of a batch are distinct (one UPDATE per row). The
 -- step's columns ride along in the same unnest and come out of the UPDATE's RETURNING: no second
--- unnest, no join.
+-- unnest, no join. The two jsonb arrays are sent in binary (the b placeholders): in text,
+-- psycopg quotes each payload inside the array literal, one regex substitution per double quote of
+-- its JSON (measured: 46 against 13 us a payload, the JSON encoding included; about 5 percent of a
+-- worker's CPU a step at 16 runs).
 WITH fence AS (
     UPDATE agent_run
        SET next_seq      = greatest(next_seq, held.seq + 1),
@@ -249,8 +252,8 @@ WITH fence AS (
                   %(ttls)s::double precision[], %(input_tokens)s::bigint[],
                   %(output_tokens)s::bigint[], %(cache_read_tokens)s::bigint[],
                   %(cache_write_tokens)s::bigint[], %(cost_usd)s::double precision[],
-                  %(kinds)s::text[], %(payloads)s::jsonb[], %(request_ids)s::text[],
-                  %(tool_calls)s::jsonb[])
+                  %(kinds)s::text[], %(payloads)b::jsonb[], %(request_ids)s::text[],
+                  %(tool_calls)b::jsonb[])
            AS held(run_id, epoch, seq, ttl, input_tokens, output_tokens, cache_read_tokens,
                    cache_write_tokens, cost_usd, kind, payload, request_id, tool_call)
      WHERE id = held.run_id
