@@ -321,7 +321,9 @@ class RunExecutor:
                 + " ".join(str(exc).split())[:300]
             ) from None
         pv = await self.pinned_prompt(h)
-        steps = await self.store.steps(run.id)
+        # A run never appended to has no log to read (one round trip less on its first claim):
+        # every append raises next_seq past its seq, and nothing else writes agent_step.
+        steps = await self.store.steps(run.id) if run.next_seq else []
         if [s.seq for s in steps] != list(range(len(steps))):
             raise RunFailed(f"step log is not contiguous: {[s.seq for s in steps]}")
         messages = rebuild_messages(run.task, steps)

@@ -342,6 +342,18 @@ class PromptVersion:
         return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _prompt_version_params(pv: PromptVersion) -> dict[str, Any]:
+    """The parameters of a prompt version's insert (queries.sql insert_prompt_version)."""
+    return {
+        "id": pv.id,
+        "model": pv.model,
+        "system": pv.system,
+        # No dumps= here: the store's own (stored_json) is canonical and escapes.
+        "tools": Json(pv.tools),
+        "params": Json(pv.params),
+    }
+
+
 #: The external keys of AgentRun objects' runs start with this; no other run's may.
 K8S_KEY_PREFIX = "k8s:"
 
@@ -718,17 +730,7 @@ class Store:
 
     async def ensure_prompt_version(self, pv: PromptVersion) -> str:
         async with self.pool.connection() as conn:
-            await conn.execute(
-                queries["insert_prompt_version"],
-                {
-                    "id": pv.id,
-                    "model": pv.model,
-                    "system": pv.system,
-                    # No dumps= here: the store's own (stored_json) is canonical and escapes.
-                    "tools": Json(pv.tools),
-                    "params": Json(pv.params),
-                },
-            )
+            await conn.execute(queries["insert_prompt_version"], _prompt_version_params(pv))
         return pv.id
 
     async def get_prompt_version(self, version_id: str) -> PromptVersion:
@@ -929,9 +931,9 @@ class Store:
 
     async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
-        (the earlier one wins: a resumed run keeps what it first sent)."""
-        await self.ensure_prompt_version(pv)
-        row = await self._fenced("pin_prompt_version", lease, prompt_version=pv.id)
+        (the earlier one wins: a resumed run keeps what it first sent). ``pv`` is stored as
+        :meth:`ensure_prompt_version` stores it, in the same statement."""
+        row = await self._fenced("pin_prompt_version", lease, **_prompt_version_params(pv))
         pinned: str = row[0]
         return pinned
 

@@ -280,8 +280,16 @@ RETURNING run_id, created_at, (SELECT count(*) FROM followed) AS notified;
 
 -- pin_prompt_version --
 -- Invariant 3: the first worker to claim a run pins the tool definitions it resolved; later
--- claims (another worker, a redeployed image with changed tools) reuse them. Fenced.
-UPDATE agent_run SET prompt_version = coalesce(prompt_version, %(prompt_version)s)
+-- claims (another worker, a redeployed image with changed tools) reuse them. Fenced. The version
+-- is stored (as insert_prompt_version does) in the same statement, one round trip on a run's
+-- first claim: the foreign key is checked at the statement's end, when the CTE's row is there. A
+-- fenced-off pin still stores it: content-addressed and write-once, it is never wrong to have.
+WITH version AS (
+    INSERT INTO prompt_version (id, model, system, tools, params)
+    VALUES (%(id)s, %(model)s, %(system)s, %(tools)s, %(params)s)
+    ON CONFLICT (id) DO NOTHING
+)
+UPDATE agent_run SET prompt_version = coalesce(prompt_version, %(id)s)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING prompt_version;
