@@ -47,9 +47,10 @@ def test_no_statement_is_built_by_string_formatting() -> None:
 def test_queries_bind_values_only_as_named_placeholders() -> None:
     text = (ROOT / "src" / "agentrun" / "sql" / "queries.sql").read_text()
     body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("--"))
-    # %(name)s placeholders and %% (a literal % for format()) only; no {name} or bare %s.
-    stray = re.findall(r"%.{0,12}", re.sub(r"%%|%\(\w+\)s", "", body))
-    assert not stray, f"queries.sql has placeholders other than %(name)s: {stray[:5]}"
+    # %(name)s placeholders (%(name)b: the same, the value sent in binary) and %% (a literal %
+    # for format()) only; no {name} or bare %s.
+    stray = re.findall(r"%.{0,12}", re.sub(r"%%|%\(\w+\)[sb]", "", body))
+    assert not stray, f"queries.sql has placeholders other than %(name)s / %(name)b: {stray[:5]}"
     assert not re.search(r"\{\w*\}", body), "queries.sql has a Python format field"
 
 
