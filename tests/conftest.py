@@ -180,13 +180,17 @@ def stop_embedded(data: Path) -> None:
 
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes a test starts with :func:`start_cli`: killed and reaped when it ends."""
+    """Processes a test starts with :func:`start_cli`: killed and reaped when it ends, each with
+    its whole session (start_cli gives it one): what it started itself (the demo's workers) goes
+    with it, also when the test failed before the process could stop them."""
     started: list[subprocess.Popen[str]] = []
     try:
         yield started
     finally:
         for p in started:
-            if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # nothing of it left
+                os.killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:  # not a session of its own after all
                 p.kill()
             p.wait()
 
@@ -209,6 +213,7 @@ def start_cli(
             stderr=(f if out else subprocess.PIPE) if stderr_apart else subprocess.STDOUT,
             text=True,
             cwd=tempfile.gettempdir(),
+            start_new_session=True,  # its process group is its own: procs kills it whole
         )
     procs.append(p)
     return p

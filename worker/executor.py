@@ -1,9 +1,10 @@
 """Advance one claimed run, one committed step at a time.
 
 The conversation is a projection of the step log: ``[task] + [step payloads]``. It is rebuilt from
-the log on every claim, and each new step is appended to it in its *stored* form (the dict that
-was written), never as live SDK objects: what a resumed run sends is what the first worker sent,
-so signed thinking blocks replay without a signature error.
+the log on every claim (a run never appended to, next_seq 0, has an empty one and is not read),
+and each new step is appended to it in its *stored* form (the dict that was written), never as
+live SDK objects: what a resumed run sends is what the first worker sent, so signed thinking
+blocks replay without a signature error.
 
 Order of a step (invariant 1): call the model -> commit the turn -> run its tools -> commit their
 results as one step -> next model call. A resume finds the log in one of three states and carries
