@@ -196,6 +196,16 @@ def worker_client(base_url: str) -> AsyncAnthropic:
     return AsyncAnthropic(base_url=base_url, api_key="bench", **client_options(traced=False))
 
 
+def bench_executor(store: Store, client: AsyncAnthropic, registry: ToolRegistry,
+                   metrics: WorkerMetrics | None = None, *, overlap: bool = True,
+                   carry: bool = True) -> RunExecutor:
+    """The shipped executor as the durable loop runs it: the worker's client, no retries, never
+    draining; ``overlap`` and ``carry`` off are the levers' "off" variants."""
+    metrics = metrics or WorkerMetrics()
+    return RunExecutor(store, Providers(default=client), registry, metrics, Health(60, metrics),
+                       NO_RETRY, is_draining=lambda: False, overlap=overlap, carry_mark=carry)
+
+
 async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
     # Both loops under test call the model as the worker does; the seed's loop as the seed did.
     # (A bare SDK client takes the SDK's events route: its OpenTelemetry tracer is on by default
@@ -207,9 +217,7 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     inline, thread = registry_for(True), registry_for(False)
 
     def executor(registry: ToolRegistry, overlap: bool, carry: bool = True) -> RunExecutor:
-        return RunExecutor(store, Providers(default=client), registry, metrics,
-                           Health(60, metrics), NO_RETRY, is_draining=lambda: False,
-                           overlap=overlap, carry_mark=carry)
+        return bench_executor(store, client, registry, metrics, overlap=overlap, carry=carry)
 
     durable = {
         "dur": executor(inline, True),
@@ -278,10 +286,8 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
     own). Medians, ms."""
     client = worker_client(base_url)
     store = await Store.open(url, max_size=4)
-    metrics = WorkerMetrics()
     registry = registry_for(True)
-    executor = RunExecutor(store, Providers(default=client), registry, metrics,
-                           Health(60, metrics), NO_RETRY, is_draining=lambda: False)
+    executor = bench_executor(store, client, registry)
     samples: dict[str, list[float]] = {}
     loop = ["dur"]
 

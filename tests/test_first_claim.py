@@ -16,12 +16,11 @@ import psycopg
 import pytest
 from benchmarks import worker_bench
 
+from agentrun.errors import LeaseLost
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.sql import queries
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.executor import RunExecutor, RunHandle
-from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.providers import Providers
 from tests.workerkit import FakeFactory
 
 _NAMES = {text: name for name, text in queries.items()}
@@ -48,11 +47,8 @@ async def worker(
     """The shipped executor (inline tools) against a scripted model of ``turns`` turns."""
     srv = fake(worker_bench.scenario(turns, thinking=False))
     client = worker_bench.worker_client(srv.base_url)
-    metrics = WorkerMetrics()
     try:
-        yield RunExecutor(store, Providers(default=client), worker_bench.registry_for(True),
-                          metrics, Health(60, metrics), worker_bench.NO_RETRY,
-                          is_draining=lambda: False), srv
+        yield worker_bench.bench_executor(store, client, worker_bench.registry_for(True)), srv
     finally:
         await client.close()
 
@@ -107,8 +103,6 @@ async def test_a_resumed_run_reads_its_log_and_keeps_its_first_pin(
 
 async def test_the_pin_of_a_fenced_off_worker_pins_nothing(store: Store) -> None:
     """One statement or two, the pin stays fenced: a worker that lost the run pins nothing."""
-    from agentrun.errors import LeaseLost
-
     await store.create_run("fenced", worker_bench.AGENT, pool="fenced")
     ((run, lease),) = (await store.with_lease_ttl(60).claim("fenced", "w1")).claimed
     assert await store.release(lease)

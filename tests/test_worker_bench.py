@@ -11,9 +11,6 @@ from typing import Any
 from benchmarks import worker_bench
 
 from agentrun.store import Store
-from agentrun.worker.executor import RunExecutor
-from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.providers import Providers
 from tests.workerkit import FakeFactory
 
 # The scripted server names each tool_use block afresh; the ids are the only bytes that may differ.
@@ -30,9 +27,7 @@ async def test_the_in_memory_loop_sends_the_durable_loops_requests(
     srv = fake({**worker_bench.scenario(3, thinking=False), "record_bodies": True})
     client = worker_bench.worker_client(srv.base_url)
     registry = worker_bench.registry_for(True)
-    metrics = WorkerMetrics()
-    executor = RunExecutor(store, Providers(default=client), registry, metrics,
-                           Health(60, metrics), worker_bench.NO_RETRY, is_draining=lambda: False)
+    executor = worker_bench.bench_executor(store, client, registry)
     try:
         assert await worker_bench.in_memory_loop(client, "the same task", registry) == 3
         in_memory = bodies(srv.requests())

@@ -149,7 +149,7 @@ def place_breakpoints(
     marks = [len(out) - 1]
     # The previous request ended with the message before the newest assistant turn.
     newest = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "assistant"), None)
-    if newest is not None and newest - 1 >= 0 and newest - 1 != marks[0]:
+    if newest and newest - 1 != marks[0]:  # an assistant turn at 0 has no request before it
         marks.append(newest - 1)
     for i in marks[: MAX_BREAKPOINTS - 2]:
         content = out[i]["content"]
