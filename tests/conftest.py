@@ -27,6 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.migrations import migrate
+from agentrun.sql import queries
 from agentrun.store import Store
 from tests.workerkit import FakeFactory, Workers, write_scenario
 
@@ -176,6 +177,22 @@ def stop_embedded(data: Path) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.05)
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the queries.sql statements sent through psycopg's async cursors (the
+    store's), in order; "other" for any other text."""
+    by_text = {text: name for name, text in queries.items()}
+    names: list[str] = []
+    real = psycopg.AsyncCursor.execute
+
+    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        names.append(by_text.get(query, "other"))
+        return await real(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", execute)
+    yield names
 
 
 @pytest.fixture

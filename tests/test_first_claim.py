@@ -9,35 +9,16 @@ each advance sends are recorded by name (queries.sql) from psycopg's cursor as t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator
 
-import psycopg
 import pytest
 from benchmarks import worker_bench
 
 from agentrun.errors import LeaseLost
 from agentrun.fake_anthropic import FakeAnthropicServer
-from agentrun.sql import queries
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.executor import RunExecutor, RunHandle
 from tests.workerkit import FakeFactory
-
-_NAMES = {text: name for name, text in queries.items()}
-
-
-@pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The names of the queries.sql statements sent through the store's cursors, in order."""
-    names: list[str] = []
-    real = psycopg.AsyncCursor.execute
-
-    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        names.append(_NAMES.get(query, "other"))
-        return await real(self, query, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.AsyncCursor, "execute", execute)
-    yield names
 
 
 @contextlib.asynccontextmanager
