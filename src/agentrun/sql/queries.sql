@@ -140,7 +140,8 @@ WITH pending AS (
                                           coalesce(r.error, 'none'))
                               ELSE r.error END,
            started_at  = coalesce(r.started_at, now()),
-           finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END
+           finished_at = CASE WHEN c.stalled >= r.max_attempts THEN now() ELSE NULL END,
+           updated_at  = now()  -- stamped here: the pin trigger is skipped (migration 0018)
       FROM candidate c
      WHERE r.id = c.id
        AND r.id NOT IN (SELECT id FROM refused)
@@ -207,7 +208,8 @@ WITH fence AS (
            output_tokens = output_tokens + %(output_tokens)s,
            cache_read_tokens  = cache_read_tokens + %(cache_read_tokens)s,
            cache_write_tokens = cache_write_tokens + %(cache_write_tokens)s,
-           cost_usd      = cost_usd + %(cost_usd)s
+           cost_usd      = cost_usd + %(cost_usd)s,
+           updated_at    = now()  -- stamped here: the pin trigger is skipped (migration 0018)
      WHERE id = %(run_id)s
        AND lease_owner = %(worker)s
        AND lease_epoch = %(epoch)s
@@ -247,7 +249,8 @@ WITH fence AS (
            cache_write_tokens = agent_run.cache_write_tokens + held.cache_write_tokens,
            cost_usd      = agent_run.cost_usd + held.cost_usd,
            tool_call     = coalesce(held.tool_call || jsonb_build_object('started_at', now()),
-                                    agent_run.tool_call)
+                                    agent_run.tool_call),
+           updated_at    = now()  -- stamped here: the pin trigger is skipped (migration 0018)
       FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[], %(seqs)s::integer[],
                   %(ttls)s::double precision[], %(input_tokens)s::bigint[],
                   %(output_tokens)s::bigint[], %(cache_read_tokens)s::bigint[],
@@ -297,7 +300,8 @@ RETURNING prompt_version;
 -- renew_lease --
 -- The heartbeat: pushes the lease out by the TTL while this worker holds the run. Fenced.
 UPDATE agent_run
-   SET lease_until = now() + make_interval(secs => %(ttl)s)
+   SET lease_until = now() + make_interval(secs => %(ttl)s),
+       updated_at = now()  -- stamped here: the pin trigger is skipped (migration 0018)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING lease_until;
@@ -307,7 +311,8 @@ RETURNING lease_until;
 -- (Store.renew_all): each row is fenced by its own epoch, as renew_lease is; the ids returned
 -- were renewed, the others are no longer this worker's (fence_states says why).
 UPDATE agent_run
-   SET lease_until = now() + make_interval(secs => %(ttl)s)
+   SET lease_until = now() + make_interval(secs => %(ttl)s),
+       updated_at = now()  -- stamped here: the pin trigger is skipped (migration 0018)
   FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[]) AS held(run_id, epoch)
  WHERE id = held.run_id
    AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
@@ -500,7 +505,8 @@ RETURNING state;
 -- the lease check right before the call; it renews the lease.
 UPDATE agent_run
    SET tool_call = %(tool_call)s::jsonb || jsonb_build_object('started_at', now()),
-       lease_until = now() + make_interval(secs => %(ttl)s)
+       lease_until = now() + make_interval(secs => %(ttl)s),
+       updated_at = now()  -- stamped here: the pin trigger is skipped (migration 0018)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING id;

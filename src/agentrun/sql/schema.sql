@@ -352,7 +352,7 @@ CREATE TRIGGER agent_run_notify_insert AFTER INSERT ON public.agent_run FOR EACH
 
 CREATE TRIGGER agent_run_notify_update AFTER UPDATE ON public.agent_run FOR EACH ROW WHEN (((old.status IS DISTINCT FROM new.status) OR (old.lease_epoch IS DISTINCT FROM new.lease_epoch) OR (old.lease_owner IS DISTINCT FROM new.lease_owner) OR (old.rollback_reason IS DISTINCT FROM new.rollback_reason))) EXECUTE FUNCTION public.agentrun_notify_run_v3();
 
-CREATE TRIGGER agent_run_pinned BEFORE UPDATE ON public.agent_run FOR EACH ROW EXECUTE FUNCTION public.agentrun_forbid_pin_change_v1();
+CREATE TRIGGER agent_run_pinned BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN (((NOT (new.updated_at IS DISTINCT FROM old.updated_at)) OR (new.task IS DISTINCT FROM old.task) OR (new.model IS DISTINCT FROM old.model) OR (new.agent_spec IS DISTINCT FROM old.agent_spec) OR ((old.prompt_version IS NOT NULL) AND (new.prompt_version IS DISTINCT FROM old.prompt_version)) OR (new.k8s_uid IS DISTINCT FROM old.k8s_uid) OR (new.external_key IS DISTINCT FROM old.external_key))) EXECUTE FUNCTION public.agentrun_forbid_pin_change_v1();
 
 CREATE TRIGGER agent_run_quota_release AFTER UPDATE OF status ON public.agent_run FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.status <> 'running'::text) AND (old.k8s_namespace IS NOT NULL))) EXECUTE FUNCTION public.agentrun_quota_release();
 
