@@ -110,6 +110,9 @@ async def test_two_workers_never_both_commit_a_step(
     run, _ = await store.create_run("echo", AGENT)
     a = workers.start("a", lease_ttl=1.5)
     await wait_for(lambda: any(e.get("turn") == 1 for e in srv.requests()), 20, "turn 1 request")
+    # The tool result (seq 1) is committed beside the turn-1 call (overlap), so the request alone
+    # does not say it landed: wait for it, or a loaded machine stops a before it does.
+    await wait_run(store, run.id, lambda r: r.next_seq >= 2, 20)
     a.signal(signal.SIGSTOP)  # a stalls mid-call: no heartbeat, its lease runs out
     try:
         workers.start("b", lease_ttl=1.5)
@@ -117,12 +120,13 @@ async def test_two_workers_never_both_commit_a_step(
     finally:
         a.signal(signal.SIGCONT)
     assert done.status == "succeeded"
-    await asyncio.sleep(2.5)  # a wakes up, finishes its stale call, and must not commit it
+    # a wakes up, finishes its stale call, and must not commit it: it says so when it tries.
+    await wait_for(lambda: any("lease lost" in line.get("msg", "") for line in a.json_lines()),
+                   30, "worker a to find its lease lost")
     steps = await store.steps(run.id)
     assert [s.seq for s in steps] == list(range(7))
     assert [(s.worker, s.lease_epoch) for s in steps[:2]] == [("a", 1), ("a", 1)]
     assert all((s.worker, s.lease_epoch) == ("b", 2) for s in steps[2:])
-    assert any("lease lost" in line.get("msg", "") for line in a.json_lines())
     a.signal(signal.SIGTERM)
     assert a.wait() == 0
 
