@@ -335,8 +335,7 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
             timed(executor, "advance", lambda *_: "per run: advance, in all"),
         ]
         cpu_ms: dict[str, float] = {}
-        counted = {"mem": 0}
-        run_ids: list[UUID] = []
+        mem_turns, run_ids = 0, []
         try:
             for name in ("dur", "mem"):
                 loop[0] = name
@@ -345,13 +344,13 @@ async def breakdown(url: str, base_url: str, turns: int, runs: int) -> dict[str,
                     if name == "dur":
                         run_ids.append(await durable_loop(store, executor, "timed"))
                     else:
-                        counted["mem"] += await in_memory_loop(client, "timed", registry)
+                        mem_turns += await in_memory_loop(client, "timed", registry)
                 cpu_ms[name] = (time.process_time() - c0) * 1000
         finally:
             for u in undo:
                 u()
-        counted["dur"] = sum([await turns_of(store, r) for r in run_ids])
-        cpu = {name: cpu_ms[name] / counted[name] for name in cpu_ms}
+        turns_by = {"dur": sum([await turns_of(store, r) for r in run_ids]), "mem": mem_turns}
+        cpu = {name: cpu_ms[name] / turns_by[name] for name in cpu_ms}
     finally:
         await store.close()
         await client.close()

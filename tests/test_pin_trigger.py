@@ -83,7 +83,7 @@ async def held(store: Store) -> Lease:
 
 
 async def test_a_workers_hot_statements_call_no_pin_function_and_stamp_updated_at(
-    store: Store, held: Lease, database_url: str
+    held: Lease, database_url: str
 ) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
         for name, params in statements(held, "next").items():
@@ -98,7 +98,7 @@ async def test_a_workers_hot_statements_call_no_pin_function_and_stamp_updated_a
 
 
 async def test_pinned_columns_are_refused_even_when_the_statement_stamps_updated_at(
-    store: Store, held: Lease, database_url: str
+    held: Lease, database_url: str
 ) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
         stamped = sql.SQL("UPDATE agent_run SET updated_at = now(), {} = %s WHERE id = %s")
