@@ -145,10 +145,11 @@ async def test_a_call_past_its_timeout_is_a_failed_call(
     # worker's --tool-timeout, and its outcome is unknown: a human decides.
     waiting = await wait_run(store, irreversible.id, lambda r: r.status == "waiting_approval", 30)
     assert waiting.wait_reason is not None and waiting.wait_reason.startswith(
-        "outcome unknown: hang_irreversible (step 0) did not return within its 1 s timeout; "
-        "it may still be running in worker w"
+        "outcome unknown: hang_irreversible (step 0, attempt 1) did not return within its 1 s "
+        "timeout; it may still be running in worker w"
     ), waiting.wait_reason
-    assert waiting.pending_call is not None and waiting.pending_call["stage"] == "outcome_unknown"
+    call = waiting.pending_call
+    assert call is not None and (call["stage"], call["attempt"]) == ("outcome_unknown", 1)
     assert w.popen.poll() is None
 
 

@@ -620,6 +620,7 @@ class RunExecutor:
                 state=state, result=outcome, tool_input=args, compensate=spec.compensate)
             self._committed(h, sent)
 
+        intent = 1  # which attempt of an irreversible call this is (its intent's count)
         if spec.kind is ToolKind.IRREVERSIBLE:
             decided = await self._gate_irreversible(h, turn_seq, index, name, args, effect, spec)
             if decided is not None:
@@ -629,13 +630,13 @@ class RunExecutor:
                 await record("intent")
             else:  # a decided re-run: counted before the call, so one decision buys one call
                 sent = time.monotonic()
-                await self.store.retry_intent(h.lease, turn_seq, index, effect.attempts)
+                intent = await self.store.retry_intent(h.lease, turn_seq, index, effect.attempts)
                 self._committed(h, sent)
             crash_point("after_intent_commit", turn_seq)
         # Progress while it lasts, up to its timeout (the call is cut off there anyway).
         with h.progress.working(f"tool {name}",
                                 deadline=time.monotonic() + self._timeout(spec)):
-            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key)
+            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
         crash_point("after_tool_return", turn_seq)
         if recorded:
             await record("done", outcome)
@@ -718,9 +719,12 @@ class RunExecutor:
 
     async def _invoke(
         self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
-        args: dict[str, Any], key: str,
+        args: dict[str, Any], key: str, intent: int,
     ) -> dict[str, Any]:
-        """Call the tool; retry what it declares transient (never an irreversible call)."""
+        """Call the tool; retry what it declares transient (never an irreversible call).
+        ``intent``: the attempt an irreversible call's intent counts (1, or its approved re-run's),
+        which a timeout's wait names, as a wait after a worker's death does: a decision is about
+        one attempt."""
         attempt = 1
         while True:
             # make_context's, with the key call_tool derived once (a hash of the arguments)
@@ -738,14 +742,17 @@ class RunExecutor:
             if isinstance(exc, LeaseExpired):  # the tool saw the fence: this worker must stop
                 raise LeaseLost(h.run_id, f"{name} stopped at the fence: {exc}") from None
             if isinstance(exc, ToolTimeout) and spec.kind is ToolKind.IRREVERSIBLE:
+                # The attempt is named, as after a worker's death: without it a decision on a
+                # re-run's timeout was recorded against attempt 1, which already had one, and
+                # was dropped while `agentrun reject` said it was taken.
                 raise WaitForApproval(
-                    f"outcome unknown: {name} (step {turn_seq}) did not return within its "
-                    f"{exc.timeout:g} s timeout; it may still be running in worker "
+                    f"outcome unknown: {name} (step {turn_seq}, attempt {intent}) did not return "
+                    f"within its {exc.timeout:g} s timeout; it may still be running in worker "
                     f"{h.lease.worker} (a call already inside the tool cannot be killed); "
-                    "check its target, then approve to run it again or reject to tell the "
-                    "model it was not retried",
+                    f"check its target, then approve to run it once more (attempt {intent + 1}) "
+                    "or reject to tell the model it was not retried",
                     {"seq": turn_seq, "call_index": index, "tool": name, "input": args,
-                     "stage": "outcome_unknown"},
+                     "stage": "outcome_unknown", "attempt": intent},
                 ) from exc
             disposition = spec.classify(exc)
             if disposition == "retry" and attempt <= self.retry.max_retries:

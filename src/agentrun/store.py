@@ -1290,6 +1290,12 @@ class Store:
                 raise ConfigError(
                     f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
                 )
+            # Which attempt this decides. A wait that does not say: an unknown outcome is about
+            # the attempt its intent counts (a timeout's wait written by a worker before it named
+            # its attempt); otherwise the first (a wait recorded before 0004).
+            attempt = int(pending.get("attempt") or (
+                pending["stage"] == "outcome_unknown" and row["intent_attempt"]) or 1)
+            pending = {**pending, "attempt": attempt}
             await cur.execute(
                 queries["insert_approval"],
                 {
@@ -1297,13 +1303,20 @@ class Store:
                     "seq": seq,
                     "call_index": pending["call_index"],
                     "stage": pending["stage"],
-                    # Which attempt this decides (a wait recorded before 0004 has none: 1).
-                    "attempt": int(pending.get("attempt") or 1),
+                    "attempt": attempt,
                     "decision": decision,
                     "decided_by": decided_by,
                     "reason": reason,
                 },
             )
+            if await cur.fetchone() is None:
+                # That attempt was decided already, yet the run waits on it: never report a
+                # decision that was not recorded, nor resume the run on the earlier one.
+                raise ConfigError(
+                    f"run {rid}: attempt {attempt} of step {seq} call {pending['call_index']} "
+                    f"({pending['tool']}, {str(pending['stage']).replace('_', ' ')}) was decided "
+                    "before; nothing was recorded and the run still waits"
+                )
             if abort:
                 why = rollback_reason("failed", f"rejected by {decided_by}" + (
                     f": {reason}" if reason else ""))

@@ -570,8 +570,15 @@ UPDATE agent_run
 RETURNING pending_call;
 
 -- pending_call --
--- The call a run waits on, locked so one decision at a time resumes it.
-SELECT status, pending_call FROM agent_run WHERE id = %(run_id)s FOR UPDATE;
+-- The call a run waits on, locked so one decision at a time resumes it, and the attempt its
+-- intent counts (an irreversible call's): what a wait that does not name its attempt is about (a
+-- timeout's wait written by a worker before it named it).
+SELECT r.status, r.pending_call,
+       (SELECT e.attempts FROM tool_effect e
+         WHERE e.run_id = r.id AND e.seq = (r.pending_call ->> 'seq')::int
+           AND e.call_index = (r.pending_call ->> 'call_index')::int
+           AND e.state = 'intent') AS intent_attempt
+  FROM agent_run r WHERE r.id = %(run_id)s FOR UPDATE OF r;
 
 -- request_rollback --
 -- Ask for a run's effects to be compensated and the run ended. A holder is NOT fenced off (a

@@ -1,0 +1,166 @@
+"""A decision on an irreversible call's unknown outcome is about one attempt, whatever made the
+outcome unknown: the worker's death inside the call, or the call's timeout.
+
+A timeout's wait did not name its attempt. The store then took it for attempt 1, so after an
+approved re-run (attempt 2) that timed out too, the next decision was recorded against attempt 1,
+which already had one: it was dropped, the run resumed all the same, `agentrun reject` said
+"attempt 1 ... rejected by bob", and the next claim waited again on attempt 2 with a reason
+saying the worker had died. (Found by an adversarial review on 2026-12-06.)
+
+In process: the worker's RunExecutor against a real store, an irreversible tool that hangs past
+its timeout, and the decisions made by the store's own ``decide`` (what `agentrun approve` /
+`reject` and the annotations call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agentrun.errors import ConfigError
+from agentrun.manifests import AgentSpec
+from agentrun.store import Lease, Run, Store
+from agentrun.tools import ToolContext, ToolRegistry, tool
+from agentrun.worker.executor import RunExecutor, RunHandle, WaitForApproval
+from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.providers import Providers
+from agentrun.worker.settings import RetryPolicy
+
+TOOLS = ToolRegistry()
+RELEASE = threading.Event()  # set at the end of each test: the hung calls' threads return
+CALLS: list[int] = []
+AGENT = AgentSpec(model="claude-sonnet-4-5", system="pay", tools=["wire_money"])
+TURN = {"content": [{"type": "tool_use", "id": "toolu_1", "name": "wire_money",
+                     "input": {"amount": 100}}], "stop_reason": "tool_use"}
+
+
+@tool(kind="irreversible", registry=TOOLS, timeout=0.2)
+def wire_money(ctx: ToolContext, amount: int) -> str:
+    """Send money; it never answers in time, so its outcome is unknown."""
+    CALLS.append(amount)
+    RELEASE.wait()
+    return "sent"
+
+
+@pytest.fixture(autouse=True)
+def hung_calls_released() -> Iterator[None]:
+    RELEASE.clear()
+    CALLS.clear()
+    yield
+    RELEASE.set()
+
+
+def executor(store: Store) -> RunExecutor:
+    metrics = WorkerMetrics()
+    return RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                       RetryPolicy(max_retries=0), is_draining=lambda: False)
+
+
+async def claim(store: Store, worker: str) -> tuple[Run, Lease]:
+    ((run, lease),) = (await store.claim("default", worker, 1)).claimed
+    return run, lease
+
+
+async def call_once(store: Store, ex: RunExecutor, worker: str) -> dict[str, Any]:
+    """One claim's go at step 0's call; its wait is recorded as the worker records it."""
+    run, lease = await claim(store, worker)
+    effect = (await store.effects(run.id, 0)).get(0)
+    try:
+        return await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, TURN["content"][0],
+                                  effect)
+    except WaitForApproval as wait:
+        await store.wait_for_approval(lease, wait.reason, wait.pending_call)
+        return {"waiting": wait.pending_call, "reason": wait.reason}
+
+
+async def approvals(store: Store) -> list[tuple[str, int, str, str]]:
+    async with store.pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT stage, attempt, decision, decided_by FROM approval ORDER BY attempt")
+        return [tuple(r) for r in await cur.fetchall()]  # type: ignore[misc]
+
+
+async def test_a_decision_after_a_re_run_that_timed_out_is_about_that_re_run(
+    store: Store,
+) -> None:
+    run, _ = await store.create_run("pay 100", AGENT)
+    _, lease = await claim(store, "w1")
+    await store.append_step(lease, 0, "model_turn", TURN)
+    await store.release(lease)
+    ex = executor(store)
+
+    first = await call_once(store, ex, "w1")
+    assert first["waiting"]["attempt"] == 1
+    assert "(step 0, attempt 1) did not return within its 0.2 s timeout" in first["reason"]
+    assert "run it once more (attempt 2)" in first["reason"]
+    approved = await store.decide(run.id, 0, "approved", decided_by="alice")
+    assert approved["attempt"] == 1
+
+    # The approved re-run is attempt 2, and it times out as well: the wait says so.
+    second = await call_once(store, ex, "w2")
+    assert second["waiting"]["stage"] == "outcome_unknown"
+    assert second["waiting"]["attempt"] == 2
+    assert "(step 0, attempt 2) did not return within" in second["reason"]
+    assert "run it once more (attempt 3)" in second["reason"]
+    rejected = await store.decide(run.id, 0, "rejected", decided_by="bob", reason="it went out")
+    assert rejected["attempt"] == 2
+    assert await approvals(store) == [
+        ("outcome_unknown", 1, "approved", "alice"), ("outcome_unknown", 2, "rejected", "bob")]
+
+    # Bob's rejection is what the next claim acts on: the model is told, nothing runs again.
+    third = await call_once(store, ex, "w3")
+    assert third["is_error"] is True
+    assert "bob rejected a retry (it went out)" in third["content"]
+    assert CALLS == [100, 100]  # attempt 1 and the one approved re-run, never a third
+
+
+async def test_a_wait_that_does_not_name_its_attempt_is_decided_for_its_intents(
+    store: Store,
+) -> None:
+    """A timeout's wait written by a worker from before the fix (no attempt in it), on a re-run:
+    the decision goes to the attempt the intent counts, not to attempt 1."""
+    run, _ = await store.create_run("pay 100", AGENT)
+    _, lease = await claim(store, "w1")
+    await store.record_effect(lease, 0, 0, key="k", tool="wire_money",
+                              tool_kind="irreversible", state="intent")
+    pending = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 100},
+               "stage": "outcome_unknown"}
+    await store.wait_for_approval(lease, "outcome unknown", {**pending, "attempt": 1})
+    await store.decide(run.id, 0, "approved", decided_by="alice")
+    _, lease = await claim(store, "w2")
+    assert await store.retry_intent(lease, 0, 0, 1) == 2
+    await store.wait_for_approval(lease, "outcome unknown: wire_money (step 0) timed out", pending)
+
+    decided = await store.decide(run.id, 0, "rejected", decided_by="bob")
+    assert decided["attempt"] == 2
+    assert await approvals(store) == [
+        ("outcome_unknown", 1, "approved", "alice"), ("outcome_unknown", 2, "rejected", "bob")]
+    assert (await store.get_run(run.id)).status == "pending"
+
+
+async def test_a_decision_that_is_not_recorded_is_refused_and_the_run_still_waits(
+    store: Store,
+) -> None:
+    """Should a run ever wait on an attempt decided before, the new decision is refused with
+    the reason, and nothing changes: it is never reported as taken."""
+    run, _ = await store.create_run("pay 100", AGENT)
+    _, lease = await claim(store, "w1")
+    await store.record_effect(lease, 0, 0, key="k", tool="wire_money",
+                              tool_kind="irreversible", state="intent")
+    pending = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 100},
+               "stage": "outcome_unknown", "attempt": 1}
+    await store.wait_for_approval(lease, "outcome unknown", pending)
+    await store.decide(run.id, 0, "approved", decided_by="alice")
+    _, lease = await claim(store, "w2")
+    await store.wait_for_approval(lease, "outcome unknown", pending)  # attempt 1 again
+
+    with pytest.raises(ConfigError, match=(
+            "attempt 1 of step 0 call 0 \\(wire_money, outcome unknown\\) was decided before; "
+            "nothing was recorded and the run still waits")):
+        await store.decide(run.id, 0, "rejected", decided_by="bob")
+    assert await approvals(store) == [("outcome_unknown", 1, "approved", "alice")]
+    still = await store.get_run(run.id)
+    assert still.status == "waiting_approval" and still.pending_call == pending
