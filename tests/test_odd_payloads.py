@@ -10,6 +10,7 @@ returned.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,30 @@ async def test_a_nul_and_a_lone_surrogate_from_model_and_tool_are_kept_exactly(
     assert sent == turn
     assert second["messages"][2] == {"role": "user", "content": steps[1].payload["content"]}
     assert second["messages"][2]["content"][0]["content"] == TOOL_TEXT
+
+
+async def test_a_number_beyond_the_float_range_fails_the_run_once_with_its_place(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    """A model may write a tool input number beyond the float range (1e400, valid JSON), which
+    Python reads as infinity: jsonb refuses it, and no request could carry it back. The run fails
+    at once, naming where, instead of being given up and claimed again, the model paid each time,
+    until it was dead-lettered (found by an adversarial review on 2026-12-06)."""
+    srv = fake({"name": "huge", "scripts": [{"name": "huge", "turns": [
+        {"content": [{"text": "scaling"},
+                     {"tool_use": {"name": "echo",
+                                   "input": {"text": "go", "factor": [1.5, math.inf]}}}]},
+        {"content": [{"text": "done"}]},
+    ]}]})
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run("scale it", AGENT, max_attempts=3)
+    w = workers.start("w1")
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert (done.status, done.attempt) == ("failed", 1), (done.status, done.error,
+                                                          w.output()[-3000:])
+    assert done.error == (
+        "the model's turn at seq 0 holds a number beyond the float range at "
+        "content[1].input.factor[1] (such as 1e400): it can be neither stored verbatim nor sent "
+        "back to the model; `agentrun retry` asks the model again")
+    assert await store.steps(run.id) == []  # nothing half-stored
+    assert len([r for r in srv.requests() if r.get("status") == 200]) == 1  # paid once

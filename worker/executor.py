@@ -22,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
+
+import psycopg
 
 from agentrun.errors import LeaseLost
 from agentrun.faults import crash_point
@@ -188,6 +191,22 @@ def rebuild_messages(task: str, steps: list[Step]) -> list[dict[str, Any]]:
         role = "assistant" if step.kind == "model_turn" else "user"
         messages.append({"role": role, "content": step.payload["content"]})
     return messages
+
+
+def non_finite(value: Any, path: str = "") -> str | None:
+    """Where ``value`` holds a number JSON cannot write (infinite or NaN), as a path such as
+    ``content[1].input.factor``; None if nowhere. A model may write a number beyond the float range
+    (``1e400``, valid JSON), which Python reads as infinity: jsonb refuses it, and the request that
+    carries the turn back cannot hold it either."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path or "the value"
+    if isinstance(value, dict):
+        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((p for where, v in items if (p := non_finite(v, where)) is not None), None)
 
 
 def records_effects(spec: ToolSpec) -> bool:
@@ -424,17 +443,29 @@ class RunExecutor:
             cost = self.prices.cost_usd(pv.model, usage)
             self.metrics.count_tokens(pv.model, cost_usd=cost, **usage)
             mark = self.first_call_mark(h, seq, turn.payload)
-            await self._append(
-                h,
-                seq,
-                "model_turn",
-                turn.payload,
-                turn.request_id,
-                started,
-                turn=turn,
-                cost_usd=cost,
-                tool_call=mark,
-            )
+            try:
+                await self._append(
+                    h,
+                    seq,
+                    "model_turn",
+                    turn.payload,
+                    turn.request_id,
+                    started,
+                    turn=turn,
+                    cost_usd=cost,
+                    tool_call=mark,
+                )
+            except psycopg.DataError:
+                # Looked for only once the database refused the turn (nothing to pay per turn).
+                # Given up, the claim was re-run, the model paid again, until a dead letter.
+                where = non_finite(turn.payload)
+                if where is None:
+                    raise
+                raise RunFailed(
+                    f"the model's turn at seq {seq} holds a number beyond the float range at "
+                    f"{where} (such as 1e400): it can be neither stored verbatim nor sent back "
+                    "to the model; `agentrun retry` asks the model again"
+                ) from None
             h.marked = None if mark is None else (seq, 0)
             spend.add(sum(usage.values()), cost)  # the four kinds: what maxTokens counts
             crash_point("after_model_turn_commit", seq)

@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -255,6 +256,39 @@ class PromptCache:
 # --- answers ---------------------------------------------------------------------------------
 
 
+def model_json(value: Any, *, ensure_ascii: bool = True) -> str:
+    """JSON as a model writes it: a scripted infinite number goes out as a number beyond the
+    float range (``1e400``, valid JSON that Python reads back as infinity), never as the
+    ``Infinity`` Python's encoder writes, which is not JSON."""
+    if _finite(value):
+        return json.dumps(value, ensure_ascii=ensure_ascii)
+    return _huge_json(value, ensure_ascii)
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def _huge_json(value: Any, ensure_ascii: bool) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            raise ValueError("a scripted NaN has no JSON form")
+        return "1e400" if value > 0 else "-1e400"
+    if isinstance(value, dict):
+        return "{" + ",".join(
+            f"{json.dumps(str(k), ensure_ascii=ensure_ascii)}:{_huge_json(v, ensure_ascii)}"
+            for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_huge_json(v, ensure_ascii) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=ensure_ascii)
+
+
 def build_message(
     scenario: Scenario,
     script: Script,
@@ -341,7 +375,7 @@ def stream_events(message: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
             deltas.append({"type": "signature_delta", "signature": block["signature"]})
         else:
             empty = {**block, "input": {}}
-            raw = json.dumps(block["input"], ensure_ascii=False)
+            raw = model_json(block["input"], ensure_ascii=False)
             deltas = [{"type": "input_json_delta", "partial_json": ""}]
             deltas += [{"type": "input_json_delta", "partial_json": p} for p in _chunks(raw)]
         yield (
@@ -604,7 +638,8 @@ class _Handlers:
         )
         if not entry["stream"]:
             entry["completed"] = True
-            return web.json_response(message, headers={"request-id": request_id})
+            return web.json_response(message, headers={"request-id": request_id},
+                                     dumps=model_json)
         stream_delay = turn.stream_delay_ms
         if stream_delay is None:
             stream_delay = scenario.stream_delay_ms
