@@ -227,7 +227,7 @@ class Worker:
         )
         self.health.drain = self.drain_and_wait
         self.executor = RunExecutor(
-            store,
+            self.store,  # the view: every fenced write renews by this worker's TTL
             client if isinstance(client, Providers) else Providers(factories={}, default=client),
             registry,
             self.metrics,
