@@ -250,6 +250,9 @@ class Worker:
         #: LISTEN is in place now (False while the listener reconnects): the claim loop may
         #: sleep up to the idle interval rather than the poll interval.
         self._listener_up = False
+        #: While a claim is in flight: what was heard of runs this worker does not hold yet (a
+        #: run the claim takes may be cancelled before its answer is back); None otherwise.
+        self._heard_while_claiming: dict[UUID, dict[str, object]] | None = None
         self._heart: asyncio.Task[None] | None = None
         self._draining = asyncio.Event()
         self.health_port: int | None = None
@@ -541,6 +544,7 @@ class Worker:
             wait = s.idle_interval if self._listener_up else s.poll_interval
             free = s.concurrency - len(self.active)
             if free > 0:
+                self._heard_while_claiming = {}
                 try:
                     sent = time.monotonic()  # the leases run from no earlier than this
                     result = await self.store.claim(s.pool, s.worker_id, free)
@@ -564,8 +568,21 @@ class Worker:
                     for run, lease in result.claimed:
                         self._start_run(RunHandle(run, lease, last_renewed=sent,
                                                   lease_ttl=s.lease_ttl))
+                    # A cancel that came while the claim's answer was on its way was heard of a
+                    # run not held yet: acted on now, not at the next heartbeat (seconds later,
+                    # a model call paid for meanwhile). The epoch check drops what was older.
+                    # Soon, not at once: after the run's task has started, so that an abort
+                    # finds it inside _hold (a task cancelled before its first step would skip
+                    # _hold's cleanup and keep its slot).
+                    heard, self._heard_while_claiming = self._heard_while_claiming or {}, None
+                    loop = asyncio.get_running_loop()
+                    for run, _ in result.claimed:
+                        if run.id in heard:
+                            loop.call_soon(self._on_run_changed, heard[run.id])
                     if result.claimed and len(result.claimed) < free:
                         continue  # there may be more right away
+                finally:
+                    self._heard_while_claiming = None
             if self.draining:
                 break
             self.health.resting_until(time.monotonic() + wait)
@@ -815,6 +832,8 @@ class Worker:
         rid = UUID(str(event["id"]))
         h = self.active.get(rid)
         if h is None:
+            if self._heard_while_claiming is not None:
+                self._heard_while_claiming[rid] = event  # the last word on it counts
             return
         epoch = event.get("epoch")
         if not isinstance(epoch, int) or isinstance(epoch, bool):
