@@ -147,11 +147,15 @@ ANNOTATIONS_OFF = "approve by annotation is disabled; create an AgentRunApproval
 #: How a retry while the Agent does not exist starts; its kopf log line is filtered out (we log
 #: the wait once, at WARNING, instead of an ERROR every retry).
 AWAITING_AGENT = "waiting for Agent"
+#: An action annotation's retry while the object has no run yet (not said at each try).
+RUN_NOT_CREATED = "the run is not created yet"
 
 
 class _QuietAgentRetries(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"failed temporarily: {AWAITING_AGENT}" not in record.getMessage()
+        message = record.getMessage()
+        return not any(f"failed temporarily: {quiet}" in message
+                       for quiet in (AWAITING_AGENT, RUN_NOT_CREATED))
 
 
 def _ref(namespace: str, name: str, uid: str) -> dict[str, Any]:
@@ -388,6 +392,7 @@ async def actions(
     status: kopf.Status,
     patch: kopf.Patch,
     memo: kopf.Memo,
+    retry: int = 0,
     **_: Any,
 ) -> None:
     app = _app(memo)
@@ -396,10 +401,26 @@ async def actions(
         run = await store.get_run_by_k8s_uid(uid)
     except DB_ERRORS as exc:
         raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-    if run is None:
-        raise kopf.TemporaryError("the run is not created yet", delay=1)
-    who = f"annotation on AgentRun {namespace}/{name}"
     ref = _ref(namespace or "", name, uid)
+    if run is None:
+        keys = [key for key in ACTIONS if key in annotations]
+        pruned = status.get("runId")
+        if pruned:
+            # The object had a run, since pruned from the store: nothing will ever act on it.
+            # Refused once and consumed, not retried every second for ever.
+            await app.event(ref, Event("Warning", Reason.ACTION_REFUSED, one_line(
+                f"{', '.join(keys)}: run {pruned} was pruned from the store; there is nothing "
+                "to act on (create a new AgentRun)", 1000)), str(pruned))
+            log.warning("AgentRun %s/%s: %s refused: its run was pruned", namespace, name,
+                        ", ".join(keys), extra={"run_id": str(pruned)})
+            for key in keys:
+                patch.metadata.annotations[key] = None
+            return
+        # Not accepted yet (a moment behind, or waiting for its Agent or its pool): tried again,
+        # backing off to the Agent's retry delay, and not logged at each try.
+        raise kopf.TemporaryError(RUN_NOT_CREATED,
+                                  delay=min(2.0 ** retry, app.settings.agent_retry_delay))
+    who = f"annotation on AgentRun {namespace}/{name}"
     for key in ACTIONS:
         if key not in annotations:
             continue
@@ -466,11 +487,12 @@ async def expire(app: OperatorApp, expiries: Expiries, namespace: str, name: str
                  at: datetime, ttl: int, run_id: str | None) -> None:
     expiring, deleting = expiries.expiring, expiries.deleting
     attempt, waiting_said = 0, False
+    due = at  # by the object's status: what counts once the run is pruned from the store
     try:
         while True:
             await asyncio.sleep(max(0.0, (at - datetime.now(UTC)).total_seconds()))
             try:
-                later = await _expire_once(app, deleting, namespace, name, uid, ttl, run_id)
+                later = await _expire_once(app, deleting, namespace, name, uid, ttl, run_id, due)
             except OUTAGES as exc:
                 if not waiting_said:
                     waiting_said = True
@@ -491,18 +513,21 @@ async def expire(app: OperatorApp, expiries: Expiries, namespace: str, name: str
 
 
 async def _expire_once(app: OperatorApp, deleting: set[str], namespace: str, name: str,
-                       uid: str, ttl: int, run_id: str | None) -> datetime | None:
-    """Delete the object if its run's TTL has passed; the new expiry if it has not."""
+                       uid: str, ttl: int, run_id: str | None, due: datetime) -> datetime | None:
+    """Delete the object if its run's TTL has passed; the new expiry if it has not.
+    ``due``: the expiry by the object's status, which counts once the run is pruned."""
     # The store decides, not the mirrored status (it may lag): a run retried since is live
     # (its next finish schedules a new expiry), one that finished again counts from its new
-    # finish.
+    # finish. A run pruned from the store (a prune's cutoff shorter than the TTL) finished
+    # when the status says: the object still expires (it stayed for ever).
     store = await app.ready_store()
     if store is None:
         raise DatabaseUnavailable("database unavailable")
     run = await store.get_run_by_k8s_uid(uid)
-    if run is None or not run.finished or run.finished_at is None:
+    if run is not None and (not run.finished or run.finished_at is None):
         return None
-    at = run.finished_at + timedelta(seconds=ttl)
+    at = due if run is None or run.finished_at is None else (
+        run.finished_at + timedelta(seconds=ttl))
     if datetime.now(UTC) < at:
         return at
     deleting.add(uid)  # its own DELETED event must not cancel the Event that follows

@@ -11,6 +11,7 @@ its jitter taken out.
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +20,8 @@ import pytest
 
 from agentrun.operator import handlers
 from agentrun.operator.api import Reason
+from agentrun.store import K8sRef, Store
+from tests.workerkit import AGENT
 
 
 class Scripted:
@@ -74,3 +77,25 @@ async def test_each_outage_is_said_once_and_backed_off_from_its_start(
     # One line per outage, each with the run's id; the second outage's backoff starts over.
     assert len(said) == 2 and all(getattr(r, "run_id", None) == "run-1" for r in said)
     assert waits == [0, 1, 0]
+
+
+async def test_an_object_whose_run_was_pruned_still_expires(store: Store) -> None:
+    """A prune with a shorter cutoff than the object's TTL takes its run out of the store first;
+    the object still expires when its status says (found by an adversarial review on
+    2026-12-06: it stayed for ever, the task ending on the run it could not find)."""
+    uid = str(uuid.uuid4())
+    run, _ = await store.create_run("t", AGENT, k8s=K8sRef("ns", "ar", uid))
+    ended, _ = await store.cancel(run.id, "bye")
+    assert ended.finished_at is not None
+    pruned = await store.prune_batch(datetime.now(UTC) + timedelta(seconds=1), ["cancelled"], 10)
+    assert pruned.runs == 1 and await store.get_run_by_k8s_uid(uid) is None
+
+    async def ready_store() -> Store:
+        return store
+
+    app = Scripted([])
+    app.ready_store = ready_store  # type: ignore[method-assign,assignment]
+    await handlers.expire(app, handlers.Expiries(), "ns", "ar", uid,  # type: ignore[arg-type]
+                          ended.finished_at, 0, str(run.id))
+    assert app.deleted == [("ns", "ar", uid)]
+    assert app.events == [(Reason.EXPIRED, str(run.id))]
