@@ -457,7 +457,24 @@ async def actions(
                         f"pendingApproval.seq), not {value!r}"
                     ) from None
                 decision = VERDICTS["approve" if key == APPROVE else "reject"]
-                call = await store.decide(run.id, seq, decision, decided_by=who)
+                # Consumed before it is acted on: kopf removes an annotation only after the
+                # handler returns, so an operator killed in between ran it again after its
+                # restart, and the same "approve=3" decided whatever the run waited on by then
+                # (the next irreversible call of that step) with no human looking. Now a death
+                # in between loses the decision (the run still waits; set it again), never
+                # applies it twice.
+                if not await app.kube.consume_annotation(namespace or "", name, uid, key,
+                                                         str(annotations[key])):
+                    log.info("AgentRun %s/%s: %s=%s was consumed before; not applied again",
+                             namespace, name, key, value, extra={"run_id": str(run.id)})
+                    continue
+                try:
+                    call = await store.decide(run.id, seq, decision, decided_by=who)
+                except DB_ERRORS as exc:
+                    raise ConfigError(
+                        f"not recorded: the database is unavailable ({one_line(str(exc), 200)})"
+                        "; set the annotation again") from None
+                crash_point("operator_after_annotation_decide", seq)
                 await app.event(ref, Event(
                     "Normal",
                     Reason.APPROVED if key == APPROVE else Reason.REJECTED,

@@ -122,6 +122,14 @@ class KubeApi:
                 self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, AGENTRUNS_PLURAL,
                 limit=1, _request_timeout=request_timeout))
 
+    async def _json_patch(self, plural: str, namespace: str, name: str,
+                          ops: list[dict[str, Any]], *, status: bool = False) -> None:
+        """A JSON patch of the object (its status subresource with ``status``)."""
+        patch = (self.custom.patch_namespaced_custom_object_status if status
+                 else self.custom.patch_namespaced_custom_object)
+        await self._call("patch_status" if status else "patch", lambda: patch(
+            GROUP, VERSION, namespace, plural, name, ops, _content_type=JSON_PATCH))
+
     async def patch_agentrun_status(
         self, namespace: str, name: str, uid: str, status: dict[str, Any]
     ) -> None:
@@ -134,13 +142,7 @@ class KubeApi:
             {"op": "add", "path": "/status", "value": status},  # add: replaces one that exists
         ]
         try:
-            await self._call(
-                "patch_status",
-                lambda: self.custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, AGENTRUNS_PLURAL, name, ops,
-                    _content_type=JSON_PATCH,
-                ),
-            )
+            await self._json_patch(AGENTRUNS_PLURAL, namespace, name, ops, status=True)
         except NotFound:
             raise Gone(f"AgentRun {namespace}/{name} was deleted") from None
         except ApiException as exc:
@@ -149,6 +151,29 @@ class KubeApi:
                     f"AgentRun {namespace}/{name} was deleted and re-created (uid {uid} is gone)"
                 ) from None
             raise
+
+    async def consume_annotation(
+        self, namespace: str, name: str, uid: str, key: str, value: str
+    ) -> bool:
+        """Remove annotation ``key`` of the AgentRun ``uid`` if it still reads ``value``, in one
+        JSON patch whose ``test`` ops make it all or nothing. True when this call removed it;
+        False when it is gone or was changed (consumed before: by this handler, run again after
+        an operator restart) or the object was deleted or replaced."""
+        path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        ops: list[dict[str, Any]] = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "test", "path": path, "value": value},
+            {"op": "remove", "path": path},
+        ]
+        try:
+            await self._json_patch(AGENTRUNS_PLURAL, namespace, name, ops)
+        except NotFound:
+            return False
+        except ApiException as exc:
+            if exc.status == 422:  # a test failed: not this object, or not this annotation
+                return False
+            raise
+        return True
 
     async def get_agentrun(self, namespace: str, name: str) -> dict[str, Any]:
         """The AgentRun object; raises :class:`NotFound`."""
@@ -172,13 +197,7 @@ class KubeApi:
             {"op": "add", "path": "/status", "value": status},
         ]
         try:
-            await self._call(
-                "patch_status",
-                lambda: self.custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, APPROVALS_PLURAL, name, ops,
-                    _content_type=JSON_PATCH,
-                ),
-            )
+            await self._json_patch(APPROVALS_PLURAL, namespace, name, ops, status=True)
         except NotFound:
             raise Gone(f"AgentRunApproval {namespace}/{name} was deleted") from None
 

@@ -334,6 +334,10 @@ async def test_wait_re_reads_the_run_when_its_listen_connection_comes_back(
                 "WHERE datname = current_database() AND query LIKE 'LISTEN %'"
             ).fetchone()
         assert row == (1,)
+        # pg_terminate_backend only signals: until the backend is gone, a NOTIFY may still
+        # reach it and wait in the stopped waiter's socket (seen once under load: the waiter
+        # then saw the end before the loss, and said nothing of it).
+        await wait_for(lambda: listeners(database_url) == 0, 30, "the LISTEN backend gone")
         assert run_cli("cancel", rid, env=env).returncode == 0  # notified to nobody
     finally:
         waiter.send_signal(signal.SIGCONT)

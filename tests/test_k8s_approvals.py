@@ -458,3 +458,35 @@ async def test_an_operator_killed_right_after_the_decision_marks_it_applied_when
                               "attempt": 1}
     decided = await store.get_approval(run.id, 0, 0, "before_call")
     assert decided is not None and decided.decided_by == alice.username
+
+
+async def test_an_operator_killed_after_an_annotations_decision_never_applies_it_again(
+    kube: Kube, operator: Callable[..., OperatorProc], store: Store,
+) -> None:
+    """kopf removes an annotation only after its handler returns: an operator killed between
+    the decision and that patch ran the handler again once back, and the same ``approve=0``
+    decided whatever the run waited on by then, here the step's second irreversible call, with
+    no human looking (found by an adversarial review on 2026-12-06). The annotation is now
+    consumed before the decision: the operator killed right after it finds nothing to apply."""
+    first = operator(faults="operator_after_annotation_decide@0")
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    run = await waiting_run(kube, store, "migrate")
+    kube.annotate("migrate", {"agentrun.dev/approve": "0"})
+    await asyncio.to_thread(first.popen.wait, 30)
+    assert first.popen.returncode == -9, first.output()[-3000:]
+    assert (await store.get_run(run.id)).status == "pending"  # the first call was approved
+    # The run goes on to the step's second irreversible call, which waits for its own decision.
+    ((_, lease),) = (await store.with_lease_ttl(60).claim("default", "w2", 1)).claimed
+    second = {"seq": 0, "call_index": 1, "tool": "drop_table", "input": {"table": "orders_old"},
+              "stage": "before_call"}
+    await store.wait_for_approval(lease, "approval required before drop_table (step 0)", second)
+    operator()
+    # Back, the operator mirrors the new wait; the annotation was gone before it died.
+    await eventually(lambda: "orders_old" in str(((kube.agentrun("migrate") or {}).get(
+        "status") or {}).get("pendingApproval", {}).get("arguments")), 30,
+        "the second wait mirrored")
+    assert "agentrun.dev/approve" not in (
+        (kube.agentrun("migrate") or {})["metadata"].get("annotations") or {})
+    waiting = await store.get_run(run.id)
+    assert waiting.status == "waiting_approval" and waiting.pending_call == second
+    assert await store.get_approval(run.id, 0, 1, "before_call") is None
