@@ -541,10 +541,12 @@ async def _expire_once(app: OperatorApp, deleting: set[str], namespace: str, nam
     if store is None:
         raise DatabaseUnavailable("database unavailable")
     run = await store.get_run_by_k8s_uid(uid)
-    if run is not None and (not run.finished or run.finished_at is None):
+    if run is None:
+        at = due
+    elif run.finished and run.finished_at is not None:
+        at = run.finished_at + timedelta(seconds=ttl)
+    else:
         return None
-    at = due if run is None or run.finished_at is None else (
-        run.finished_at + timedelta(seconds=ttl))
     if datetime.now(UTC) < at:
         return at
     deleting.add(uid)  # its own DELETED event must not cancel the Event that follows

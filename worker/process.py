@@ -574,7 +574,7 @@ class Worker:
                     # Soon, not at once: after the run's task has started, so that an abort
                     # finds it inside _hold (a task cancelled before its first step would skip
                     # _hold's cleanup and keep its slot).
-                    heard, self._heard_while_claiming = self._heard_while_claiming or {}, None
+                    heard = self._heard_while_claiming or {}  # reset by the finally below
                     loop = asyncio.get_running_loop()
                     for run, _ in result.claimed:
                         if run.id in heard:

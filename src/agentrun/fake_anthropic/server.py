@@ -260,19 +260,10 @@ def model_json(value: Any, *, ensure_ascii: bool = True) -> str:
     """JSON as a model writes it: a scripted infinite number goes out as a number beyond the
     float range (``1e400``, valid JSON that Python reads back as infinity), never as the
     ``Infinity`` Python's encoder writes, which is not JSON."""
-    if _finite(value):
-        return json.dumps(value, ensure_ascii=ensure_ascii)
-    return _huge_json(value, ensure_ascii)
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return True
+    try:
+        return json.dumps(value, ensure_ascii=ensure_ascii, allow_nan=False)
+    except ValueError:  # a non-finite number somewhere: the slow path, only then
+        return _huge_json(value, ensure_ascii)
 
 
 def _huge_json(value: Any, ensure_ascii: bool) -> str:
