@@ -210,14 +210,14 @@ async def _decide(
         call = status.get("call") if status.get("runId") == run_id else None
         prior = await _recorded(store, run.id, spec.seq, call)
         if prior is None:
-            pending = run.pending_call if run.status == "waiting_approval" else None
+            # The attempt as the store will record it, also for a wait that does not name it.
+            pending = await store.waited_on(run.id)
             if pending is not None and int(pending["seq"]) == spec.seq:
                 # Which call this decides, written down before deciding: an operator killed
                 # right after the decision finds it in the store by these, and does not call
                 # its own recorded decision a refusal.
                 call = {"tool": str(pending.get("tool")), "index": int(pending["call_index"]),
-                        "stage": str(pending["stage"]),
-                        "attempt": int(pending.get("attempt") or 1)}
+                        "stage": str(pending["stage"]), "attempt": int(pending["attempt"])}
                 status = _status(
                     status, ApprovalPhase.PENDING, "recording the decision", run_id,
                     Cond(CondType.APPLIED, False, Reason.APPROVAL_PENDING, "recording"), call=call)

@@ -460,6 +460,53 @@ async def test_an_operator_killed_right_after_the_decision_marks_it_applied_when
     assert decided is not None and decided.decided_by == alice.username
 
 
+async def test_a_wait_that_does_not_name_its_attempt_is_shown_as_the_attempt_decided(
+    kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
+    store: Store,
+) -> None:
+    """A timeout's wait written by a worker from before it named its attempt (a rolling
+    upgrade), on an approved re-run: the store decides attempt 2, the one the intent counts.
+    The approval's status said attempt 1, so an operator killed right after the decision found
+    attempt 1's earlier decision in the store when back, and marked its own approval Refused
+    ("decided first ... by carol") although it had been recorded."""
+    alice = users("alice", "approver")
+    first = operator(faults="operator_after_decide@0")
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    kube.apply_agentrun(agentrun_manifest("pay"))
+    rid = await eventually(
+        lambda: ((kube.agentrun("pay") or {}).get("status") or {}).get("runId"), 30,
+        "pay to get a run")
+    held = store.with_lease_ttl(60)
+    ((_, lease),) = (await held.claim("default", "w1", 1)).claimed
+    assert str(lease.run_id) == rid
+    await store.record_effect(lease, 0, 0, key="k", tool="drop_table",
+                              tool_kind="irreversible", state="intent")
+    call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
+            "stage": "outcome_unknown"}
+    await store.wait_for_approval(lease, "outcome unknown", {**call, "attempt": 1})
+    await store.decide(rid, 0, "approved", decided_by="carol")  # attempt 1: run it once more
+    ((_, lease),) = (await held.claim("default", "w2", 1)).claimed
+    assert await store.retry_intent(lease, 0, 0, 1) == 2
+    await store.wait_for_approval(lease, "outcome unknown: drop_table timed out", call)
+    await eventually(lambda: ((kube.agentrun("pay") or {}).get("status") or {}).get("phase")
+                     == "waiting_approval", 15, "pay to show waiting_approval")
+    policy_active(kube, alice)
+    code, out = alice.create_approval(approval("pay", 0, "reject", alice.username,
+                                               name="stop", reason="it went out"))
+    assert code == 201, out
+    await asyncio.to_thread(first.popen.wait, 30)
+    assert first.popen.returncode == -9, first.output()[-3000:]
+    assert approval_status(kube, "stop")["call"]["attempt"] == 2
+    operator()
+    status = await settled(kube, "stop")
+    assert status["phase"] == "Applied", status
+    assert status["call"] == {"tool": "drop_table", "index": 0, "stage": "outcome_unknown",
+                              "attempt": 2}
+    decided = await store.get_approval((await store.get_run(rid)).id, 0, 0, "outcome_unknown", 2)
+    assert decided is not None and decided.decided_by == alice.username
+    assert decided.decision == "rejected"
+
+
 async def test_an_operator_killed_after_an_annotations_decision_never_applies_it_again(
     kube: Kube, operator: Callable[..., OperatorProc], store: Store,
 ) -> None:

@@ -23,6 +23,8 @@ from agentrun.logs import RunIdFilter
 from agentrun.operator import approvals
 
 RUN_ID = uuid4()
+PENDING = {"seq": 3, "call_index": 0, "tool": "drop_table", "stage": "outcome_unknown",
+           "attempt": 1}
 
 
 class Scripted:
@@ -39,7 +41,8 @@ class Scripted:
             inc=lambda: None)))
         self.mirror = SimpleNamespace(notify=lambda _id: None)
         self.store = SimpleNamespace(
-            get_run_by_k8s_uid=self.get_run, decide=self.decide, get_approval=self.no_approval
+            get_run_by_k8s_uid=self.get_run, decide=self.decide, get_approval=self.no_approval,
+            waited_on=self.waited_on,
         )
         self.answer = ""
 
@@ -51,9 +54,10 @@ class Scripted:
         return {"metadata": {"uid": "ar-uid", "name": name, "namespace": namespace}}
 
     async def get_run(self, uid: str) -> Any:
-        pending = {"seq": 3, "call_index": 0, "tool": "drop_table", "stage": "outcome_unknown",
-                   "attempt": 1}
-        return SimpleNamespace(id=RUN_ID, status="waiting_approval", pending_call=pending)
+        return SimpleNamespace(id=RUN_ID, status="waiting_approval", pending_call=PENDING)
+
+    async def waited_on(self, run_id: UUID) -> dict[str, Any]:
+        return PENDING
 
     async def no_approval(self, *args: Any) -> None:
         return None

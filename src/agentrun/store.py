@@ -1263,6 +1263,16 @@ class Store:
         attempts: int = row[0]
         return attempts
 
+    async def waited_on(self, run_id: str | UUID) -> dict[str, Any] | None:
+        """The call the run waits on, with the attempt :meth:`decide` would record a decision
+        against (also when the wait does not name it); None if the run waits on nothing or is
+        gone."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(queries["pending_call"], {"run_id": parse_run_id(run_id)})
+            row = await cur.fetchone()
+        return None if row is None else _waited_on(row)
+
     async def decide(
         self,
         run_id: str | UUID,
@@ -1283,19 +1293,14 @@ class Store:
             row = await cur.fetchone()
             if row is None:
                 raise RunNotFound(str(rid))
-            pending = row["pending_call"]
-            if row["status"] != "waiting_approval" or pending is None:
+            pending = _waited_on(row)
+            if pending is None:
                 raise ConfigError(f"run {rid} is not waiting for approval (it is {row['status']})")
             if int(pending["seq"]) != seq:
                 raise ConfigError(
                     f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
                 )
-            # Which attempt this decides. A wait that does not say: an unknown outcome is about
-            # the attempt its intent counts (a timeout's wait written by a worker before it named
-            # its attempt); otherwise the first (a wait recorded before 0004).
-            attempt = int(pending.get("attempt") or (
-                pending["stage"] == "outcome_unknown" and row["intent_attempt"]) or 1)
-            pending = {**pending, "attempt": attempt}
+            attempt = int(pending["attempt"])
             await cur.execute(
                 queries["insert_approval"],
                 {
@@ -1634,6 +1639,19 @@ async def _outcomes(calls: Iterable[Awaitable[datetime]]) -> list[datetime | Exc
         except Exception as exc:
             out.append(exc)
     return out
+
+
+def _waited_on(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The call of a ``pending_call`` row (queries.sql), None unless the run waits on one, with
+    the attempt a decision is about. A wait that does not say which: an unknown outcome is about
+    the attempt its intent counts (a timeout's wait written by a worker before it named its
+    attempt); otherwise the first (a wait recorded before 0004)."""
+    pending = row["pending_call"]
+    if row["status"] != "waiting_approval" or pending is None:
+        return None
+    attempt = int(pending.get("attempt") or (
+        pending["stage"] == "outcome_unknown" and row["intent_attempt"]) or 1)
+    return {**pending, "attempt": attempt}
 
 
 def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
