@@ -10,17 +10,20 @@ returned.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.types.json import Jsonb
 
 from agentrun.manifests import AgentSpec
 from agentrun.store import (
     PromptVersion,
     Store,
     escape_text,
+    jsonb_form,
     loaded_json,
     stored_json,
     unescape_text,
@@ -54,6 +57,23 @@ def test_the_escape_is_lossless(text: str) -> None:
     assert not any(0xD800 <= ord(c) <= 0xDFFF for c in escape_text(text))
     value = {text: [text, {"k": text}, 1, 2.5, None, True]}
     assert loaded_json(stored_json(value)) == value
+
+
+JSONB_NUMBERS = [1e16, -1e16, 1.5e300, 1.7976931348623157e308, -0.0, 0.0, 1e-7, 5e-324, 0.1,
+                 123.5, 1e15, 10**20, -0, True, None]
+
+
+async def test_jsonb_form_is_what_a_jsonb_column_gives_back(store: Store) -> None:
+    """jsonb_form (what the live run carries on from) against PostgreSQL's own jsonb: the same
+    values of the same types, compared as JSON text (1e16 == 10**16 in Python)."""
+    value = {"n": JSONB_NUMBERS, "deep": [{"x": n} for n in JSONB_NUMBERS]}
+    async with store.pool.connection() as conn:
+        cur = await conn.execute("SELECT %s::jsonb", [Jsonb(value)])
+        row = await cur.fetchone()
+    assert row is not None
+    assert json.dumps(jsonb_form(value)) == json.dumps(row[0])
+    same = {"n": [1, 2.5, 1e-7, "1e+16"]}
+    assert jsonb_form(same) is same  # nothing to change: not copied
 
 
 async def test_odd_strings_round_trip_through_every_kind_of_column(store: Store) -> None:
@@ -161,3 +181,42 @@ async def test_a_number_beyond_the_float_range_fails_the_run_once_with_its_place
         "back to the model; `agentrun retry` asks the model again")
     assert await store.steps(run.id) == []  # nothing half-stored
     assert len([r for r in srv.requests() if r.get("status") == 200]) == 1  # paid once
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["one-worker", "resumed-from-the-log"])
+async def test_numbers_jsonb_writes_back_otherwise_give_the_same_key_and_request(
+    store: Store, workers: Workers, fake: FakeFactory, tmp_path: Path, resumed: bool
+) -> None:
+    """jsonb writes 1e+16 back as 10000000000000000 (an int) and -0.0 as 0.0. The live worker
+    hashed a tool call's idempotency key from the input as the model sent it, a resumed worker
+    from the input read back from the log: a non-idempotent call retried after a crash reached
+    its target under a new key, and was done twice; every later request differed too (found by
+    an adversarial review on 2026-12-06). The live run now carries on from the stored form."""
+    srv = fake({"name": "big", "record_messages": True, "scripts": [{"name": "big", "turns": [
+        {"content": [{"text": "charging"}, {"tool_use": {"name": "charge", "input": {
+            "amount": 1e16, "offset": -0.0, "rate": 1.5e300}}}]},
+        {"content": [{"text": "done"}]},
+    ]}]})
+    calls = tmp_path / "charge-calls.txt"
+    workers.env.update(ANTHROPIC_BASE_URL=srv.base_url, ODD_TOOL_CALLS=str(calls))
+    agent = AGENT.model_copy(update={"tools": ["charge"], "thinking": None,
+                                     "prompt_caching": False})
+    run, _ = await store.create_run("charge it", agent)
+    if resumed:
+        # SIGKILLed after the call returned, before its effect is recorded: called again.
+        first = workers.start("w0", tools="odd_payloads.py", faults="after_tool_return@0")
+        assert first.wait(60) == -9, first.output()[-3000:]
+    w = workers.start("w1", tools="odd_payloads.py")
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert done.status == "succeeded", (done.error, w.output()[-3000:])
+
+    made = calls.read_text().splitlines()
+    assert len(made) == (2 if resumed else 1)
+    assert len({line.split()[2] for line in made}) == 1, made  # one key: its target dedupes
+    assert {" ".join(line.split()[3:]) for line in made} == {"1e+16 0.0 1.5e+300"}, made
+    steps = await store.steps(run.id)
+    stored = steps[0].payload["content"]
+    assert stored[1]["input"]["amount"] == 10_000_000_000_000_000
+    asked = [r for r in srv.requests() if r.get("status") == 200]
+    sent = asked[-1]["messages"][1]["content"]  # the turn, as the next request carried it
+    assert json.dumps(sent, sort_keys=True) == json.dumps(stored, sort_keys=True)

@@ -44,7 +44,7 @@ from anthropic._utils._json import openapi_dumps_str
 from jiter import from_json
 
 from agentrun.manifests import DEFAULT_MAX_TOKENS
-from agentrun.store import PromptVersion, canonical_json
+from agentrun.store import PromptVersion, canonical_json, jsonb_form
 from agentrun.worker.client import escape_surrogates
 from agentrun.worker.providers import ModelClient, PermanentModelError, TransientExhausted
 from agentrun.worker.settings import RetryPolicy
@@ -62,7 +62,9 @@ class DeadlineExceeded(Exception):
 
 @dataclass(frozen=True)
 class ModelTurn:
-    payload: dict[str, Any]  # the assembled message as message.to_dict() gives it, stored verbatim
+    #: The assembled message as message.to_dict() gives it, in its stored form (jsonb_form): what
+    #: the log gives a resumed worker, so the live run carries on from the same values.
+    payload: dict[str, Any]
     request_id: str | None
     stop_reason: str | None
     input_tokens: int
@@ -396,7 +398,7 @@ async def _stream_turn(
     request_id = response.headers.get("request-id")
     usage = message["usage"]
     return ModelTurn(
-        payload=message,
+        payload=jsonb_form(message),
         request_id=request_id,
         stop_reason=message.get("stop_reason"),
         input_tokens=usage.get("input_tokens") or 0,
@@ -574,7 +576,7 @@ async def _stream_turn_sdk(
         message = await stream.get_final_message()
         request_id = stream.request_id
     return ModelTurn(
-        payload=message.to_dict(),
+        payload=jsonb_form(message.to_dict()),
         request_id=request_id,
         stop_reason=message.stop_reason,
         input_tokens=message.usage.input_tokens,

@@ -22,9 +22,11 @@ transaction holds locks for ever.
 from __future__ import annotations
 
 import copy
+import decimal
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -268,6 +270,54 @@ def stored_json(value: Any) -> str:
     if _JSON_NEEDS_ESCAPE.search(text):
         text = canonical_json(_walk(value, escape_text))
     return text
+
+
+# -- what jsonb does to numbers ------------------------------------------------------------------
+#
+# jsonb keeps a number as numeric, written back positionally: 1e+16 (how Python writes a float of
+# 16 digits or more) comes back as 10000000000000000, an int in Python, and -0.0 as 0.0. A turn
+# carried on from its live form would then differ from the same turn read back by a resumed
+# worker: the idempotency key of a tool call that takes such a number (hashed from its input), the
+# value the tool gets and the bytes of every later request. So a model turn, the one step built
+# from JSON the model wrote (a tool's output is text), goes on in its stored form (jsonb_form,
+# applied in worker/model_call.py), the value any reader of the log gets.
+
+
+def _jsonb_changes(value: Any) -> bool:
+    # Looked at in every model turn: by exact type (what a JSON parser builds), strings first.
+    kind = type(value)
+    if kind is str:
+        return False
+    if kind is dict:
+        return any(map(_jsonb_changes, value.values()))
+    if kind is list:
+        return any(map(_jsonb_changes, value))
+    if kind is float:
+        # repr writes an exponent from 1e16 up; -0.0 is the one zero numeric has not.
+        return (abs(value) >= 1e16 and math.isfinite(value)) or (
+            value == 0.0 and math.copysign(1.0, value) < 0)
+    return False
+
+
+def _to_jsonb_form(value: Any) -> Any:
+    if isinstance(value, float):
+        if value == 0.0:
+            return 0.0
+        text = repr(value)
+        # Exact: the decimal digits Python writes, as numeric keeps them (not the binary value).
+        return int(decimal.Decimal(text)) if "e+" in text else value
+    if isinstance(value, dict):
+        return {k: _to_jsonb_form(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_jsonb_form(v) for v in value]
+    return value
+
+
+def jsonb_form(value: Any) -> Any:
+    """``value`` as a jsonb column gives it back (see above); ``value`` itself, unchanged and not
+    copied, when jsonb would give back the same. Infinities and NaN are left as they are (jsonb
+    refuses them)."""
+    return _to_jsonb_form(value) if _jsonb_changes(value) else value
 
 
 def loaded_json(data: bytes | bytearray | memoryview | str) -> Any:
