@@ -220,3 +220,28 @@ async def test_numbers_jsonb_writes_back_otherwise_give_the_same_key_and_request
     asked = [r for r in srv.requests() if r.get("status") == 200]
     sent = asked[-1]["messages"][1]["content"]  # the turn, as the next request carried it
     assert json.dumps(sent, sort_keys=True) == json.dumps(stored, sort_keys=True)
+
+
+async def test_a_turn_that_stops_for_tools_but_asks_for_none_fails_the_run_without_a_call(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    """stop_reason tool_use with no tool_use block: answered, it committed an empty tool_result
+    step and sent an empty user message (which the API refuses), a step `agentrun retry` would
+    replay (found by an adversarial review on 2026-12-06). The scripted server will not write
+    such a turn, so it is in the log as a worker would have committed it; the next worker fails
+    the run, naming it, before asking the model anything."""
+    srv = fake({"name": "x", "scripts": [{"name": "x", "turns": [{"content": [{"text": "hi"}]}]}]})
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run("task", AGENT.model_copy(update={"tools": ["echo"]}))
+    ((_, lease),) = (await store.claim("default", "w0", 1)).claimed
+    await store.append_step(lease, 0, "model_turn", {
+        "role": "assistant", "content": [{"type": "text", "text": "let me call a tool"}],
+        "stop_reason": "tool_use"})
+    await store.release(lease)
+    w = workers.start("w1")
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert (done.status, done.error) == ("failed", (
+        "model stopped with stop_reason 'tool_use' at seq 0 but asked for no tool (no tool_use "
+        "block)")), w.output()[-3000:]
+    assert [s.kind for s in await store.steps(run.id)] == ["model_turn"]
+    assert srv.requests() == []

@@ -366,6 +366,28 @@ async def test_return_value_conversion(reg: ToolRegistry, value: Any, content: s
     assert json.loads(content) == out.value if not isinstance(value, str) else out.value == value
 
 
+CYCLE: dict[str, Any] = {"id": 1}
+CYCLE["self"] = CYCLE
+
+
+@pytest.mark.parametrize(
+    ("value", "content"),
+    [(b"RCPT\xff\x01 ok", "b'RCPT\\xff\\x01 ok'"), (CYCLE, "{'id': 1, 'self': {...}}")],
+    ids=["bytes-not-utf-8", "a-cycle"],
+)
+async def test_a_value_json_cannot_take_is_returned_as_its_repr_never_as_a_failure(
+    reg: ToolRegistry, value: Any, content: str
+) -> None:
+    """The call returned, so its effect happened: bytes that are not UTF-8 or a cycle used to
+    raise here, after the call, and were taken for the tool's failure (the model told the call
+    failed, a retryable tool called again; found by an adversarial review on 2026-12-06)."""
+    def give(ctx: ToolContext) -> Any:
+        return value
+
+    out = await spec_of(reg, give).invoke(ctx_for("give"), {})
+    assert (out.content, out.is_error, out.value) == (content, False, content)
+
+
 async def test_exceptions_propagate_but_toolerror_is_a_result(reg: ToolRegistry) -> None:
     def explode(ctx: ToolContext) -> None:
         raise Transient("socket reset")

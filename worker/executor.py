@@ -373,6 +373,11 @@ class RunExecutor:
             if last is not None and last[0] == "model_turn":
                 stop = last[1].get("stop_reason")
                 if stop == "tool_use":
+                    if not tool_uses(last[1]):
+                        # Answered, it would send an empty user message (refused by the API)
+                        # and keep a step without meaning in the log.
+                        raise RunFailed(f"model stopped with stop_reason 'tool_use' at seq "
+                                        f"{seq - 1} but asked for no tool (no tool_use block)")
                     started = time.perf_counter()
                     content = await self.run_tools(h, seq - 1, last[1])
                     payload = {"content": content}
@@ -535,16 +540,26 @@ class RunExecutor:
             key = hashlib.sha256(f"{effect.idempotency_key}:compensate".encode()).hexdigest()
             ctx = ToolContext(
                 h.run_id, effect.seq, effect.call_index, effect.compensate, key,
-                compensates_key=effect.idempotency_key,
+                compensates_key=effect.idempotency_key, fence=h,
             )
+            what = f"{effect.compensate} for {effect.tool} (step {effect.seq})"
+            # Fenced and bounded as every call is: a hung compensation held the run for the
+            # whole progress budget on every claim, and its ctx.lease_valid() was always True.
+            self._refuse_if_lost(h, effect.compensate)
             try:
-                with h.progress.working(f"tool {effect.compensate}"):
-                    outcome = await spec.invoke(ctx, effect.input)
-            except Exception as exc:
+                with h.progress.working(f"tool {effect.compensate}",
+                                        deadline=time.monotonic() + self._timeout(spec)):
+                    outcome = await self._bounded(h, spec, ctx, effect.input)
+            except ToolRaised as raised:
+                failure = raised.exc
+                if isinstance(failure, LeaseExpired):  # the tool saw the fence: this worker stops
+                    raise LeaseLost(h.run_id, f"{what} stopped at the fence: {failure}") from None
                 raise CompensationFailed(
-                    f"{effect.compensate} for {effect.tool} (step {effect.seq}) raised "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                    f"{what} raised {type(failure).__name__}: {failure}") from failure
+            if outcome.is_error:
+                # A ToolError, or input it refuses: the effect is not undone, and a step
+                # recorded for it would keep it from ever being offered again.
+                raise CompensationFailed(f"{what} failed: {outcome.content}")
             crash_point("mid_compensation", seq)
             payload = {"seq": effect.seq, "call_index": effect.call_index, "tool": effect.tool,
                        "compensation": effect.compensate, "content": outcome.content,
@@ -812,7 +827,6 @@ class RunExecutor:
         tool is cancelled then, a sync tool's daemon thread is left to finish (or to see the
         fence, ctx.lease_valid()).
         """
-        timeout = self._timeout(spec)
         self._refuse_if_lost(h, spec.name)
         if h.marked == (ctx.seq, ctx.call_index) and ctx.attempt == 1:
             h.marked = None  # the model turn's append carried this mark, moments ago
@@ -821,6 +835,13 @@ class RunExecutor:
             await self.store.begin_tool_call(h.lease, self._mark(h, spec, ctx.seq, ctx.call_index))
             self._committed(h, sent)
         self._refuse_if_lost(h, spec.name)  # the process may have been stopped since the write
+        return await self._bounded(h, spec, ctx, args)
+
+    async def _bounded(
+        self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]
+    ) -> ToolOutcome:
+        """The tool's invocation, waited for until its timeout or the loss of the lease."""
+        timeout = self._timeout(spec)
         call = asyncio.ensure_future(spec.invoke(ctx, args))
         deadline = time.monotonic() + timeout
         try:

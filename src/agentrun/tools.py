@@ -371,11 +371,21 @@ def _error_summary(tool_name: str, err: pydantic.ValidationError) -> str:
 
 
 def _render(value: Any) -> tuple[str, Any]:
-    """(content, JSON-able value) for a tool's return value."""
+    """(content, JSON-able value) for a tool's return value. Never raises: the call returned, so
+    its effect happened, and a failure here was taken for the tool's own (the model told it
+    failed, a retryable tool called again, the effect recorded as an error no saga undoes).
+    What JSON cannot take (bytes that are not UTF-8, a cycle) is rendered as its repr."""
     if isinstance(value, str):
         return value, value
-    jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
-    content = json.dumps(jsonable, sort_keys=True, separators=(",", ":"), default=str)
+    try:
+        jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
+        content = json.dumps(jsonable, sort_keys=True, separators=(",", ":"), default=str)
+    except Exception:
+        try:
+            content = repr(value)
+        except Exception:  # a __repr__ that raises: the type at least
+            content = f"<{type(value).__name__} that cannot be rendered>"
+        return content, content
     return content, jsonable
 
 

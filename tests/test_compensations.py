@@ -1,0 +1,108 @@
+"""A compensation that does not undo its effect leaves the rollback incomplete, never "compensated".
+
+Found by an adversarial review on 2026-12-06:
+
+* a compensating tool that raised ToolError (or refused the undone call's input) was counted as
+  done: the run's error said "compensated: release for reserve", a compensation step was committed
+  (so the effect was never offered again) and no alert (`compensation_failed`) was counted;
+* compensations were called without the tool's timeout and outside the lease's fence: a hung one
+  held the run for the whole progress budget (900 s) on every claim, and its
+  ``ctx.lease_valid()`` was always True.
+
+In process: the worker's RunExecutor against a real store; the run's effect is recorded by the
+executor's own call_tool, and the rollback is the executor's abort, as a failing run does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from agentrun.manifests import AgentSpec
+from agentrun.store import Store
+from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
+from agentrun.worker.executor import RunExecutor, RunHandle
+from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.providers import Providers
+from agentrun.worker.settings import RetryPolicy
+
+TOOLS = ToolRegistry()
+RELEASE = threading.Event()  # set at the end of each test: a hung compensation's thread returns
+SEEN: list[bool] = []  # what each compensation saw of the fence
+
+
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold")
+def hold(ctx: ToolContext, item: str, how: str) -> str:
+    """Hold an item; ``how`` says how its compensation will behave."""
+    return f"held {item}"
+
+
+@tool(kind="idempotent", registry=TOOLS, timeout=0.2)
+def unhold(ctx: ToolContext, item: str, how: str) -> str:
+    """Undo a hold: refuse it, hang past the timeout, or release it."""
+    SEEN.append(ctx.fence is not None)
+    if how == "refuse":
+        raise ToolError(f"the reservation service refused to release {item}")
+    if how == "hang":
+        RELEASE.wait()
+    return f"released {item}"
+
+
+@pytest.fixture(autouse=True)
+def hung_calls_released() -> Iterator[None]:
+    RELEASE.clear()
+    SEEN.clear()
+    yield
+    RELEASE.set()
+
+
+async def rolled_back(store: Store, how: str) -> tuple[str, WorkerMetrics, RunHandle]:
+    """A run whose hold (step 0) is recorded, failed by the executor's abort: its error."""
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
+    run, _ = await store.create_run("book a seat", agent)
+    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
+    block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
+             "input": {"item": "seat", "how": how}}
+    await store.append_step(lease, 0, "model_turn",
+                            {"content": [block], "stop_reason": "tool_use"})
+    metrics = WorkerMetrics()
+    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                     RetryPolicy(max_retries=0), is_draining=lambda: False)
+    h = RunHandle(run, lease, lease_ttl=60)
+    result = await ex.call_tool(h, 0, 0, block, None)
+    assert result["content"] == "held seat"
+    # Bounded only so that a hang fails the test instead of stalling it (the fix makes it 0.2 s).
+    await asyncio.wait_for(ex.abort(h, "tool charge failed: card declined"), 60)
+    done = await store.get_run(run.id)
+    assert done.status == "failed"
+    assert done.error is not None
+    return done.error, metrics, h
+
+
+@pytest.mark.parametrize(("how", "why"), [
+    ("refuse", "unhold for hold (step 0) failed: the reservation service refused to release seat"),
+    ("hang", "unhold for hold (step 0) raised ToolTimeout: tool unhold did not return within its "
+             "timeout of 0.2 s"),
+])
+async def test_a_compensation_that_does_not_undo_leaves_the_rollback_incomplete(
+    store: Store, how: str, why: str
+) -> None:
+    error, metrics, h = await rolled_back(store, how)
+    assert error == ("tool charge failed: card declined; ROLLBACK INCOMPLETE, manual action "
+                     f"needed: {why}")
+    assert [s.kind for s in await store.steps(h.run.id)] == ["model_turn"]  # none recorded
+    assert [e.tool for e in await store.compensations_due(h.run.id)] == ["hold"]  # still due
+    assert metrics.aborts.labels("compensation_failed")._value.get() == 1
+    assert metrics.aborts.labels("compensated")._value.get() == 0
+    assert SEEN == [True]  # the compensation was handed the fence
+
+
+async def test_a_compensation_that_undoes_is_recorded_and_counted(store: Store) -> None:
+    error, metrics, h = await rolled_back(store, "release")
+    assert error == "tool charge failed: card declined; compensated: unhold for hold (step 0)"
+    assert [s.kind for s in await store.steps(h.run.id)] == ["model_turn", "compensation"]
+    assert await store.compensations_due(h.run.id) == []
+    assert metrics.aborts.labels("compensated")._value.get() == 1
