@@ -40,9 +40,12 @@ def test_runs_limit_out_of_range(database_url: str, limit: str) -> None:
 WORKER_CASES = [
     (["--concurrency", "-3"], "--concurrency -3 (AGENTRUN_CONCURRENCY): must be at least 1"),
     (["--concurrency", "0"], "--concurrency 0 (AGENTRUN_CONCURRENCY): must be at least 1"),
-    (["--lease-ttl", "-5"], "--lease-ttl -5.0 (AGENTRUN_LEASE_TTL): must be at least 1"),
-    (["--lease-ttl", "0.2"], "--lease-ttl 0.2 (AGENTRUN_LEASE_TTL): must be at least 1"),
-    (["--lease-ttl", "nan"], "--lease-ttl nan (AGENTRUN_LEASE_TTL): must be at least 1"),
+    (["--lease-ttl", "-5"], "--lease-ttl -5.0 (AGENTRUN_LEASE_TTL): must be from 1 to 86400"),
+    (["--lease-ttl", "0.2"], "--lease-ttl 0.2 (AGENTRUN_LEASE_TTL): must be from 1 to 86400"),
+    (["--lease-ttl", "nan"], "--lease-ttl nan (AGENTRUN_LEASE_TTL): must be from 1 to 86400"),
+    # A lease past year 9999 was committed, then unreadable: the worker died, the run was wedged.
+    (["--lease-ttl", "1e12"], "--lease-ttl 1000000000000.0 (AGENTRUN_LEASE_TTL): must be from 1 "
+                              "to 86400"),
     (["--poll-interval", "0"], "--poll-interval 0.0 (AGENTRUN_POLL_INTERVAL): must be more"),
     (["--idle-interval", "0"], "--idle-interval 0.0 (AGENTRUN_IDLE_INTERVAL): must be more"),
     (["--drain-grace", "-1"], "--drain-grace -1.0 (AGENTRUN_DRAIN_GRACE): must be 0 or more"),

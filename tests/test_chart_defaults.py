@@ -4,13 +4,15 @@ these variables, so a default changed in the code alone would never reach a Helm
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from agentrun.worker.settings import WorkerSettings
+from agentrun.worker.settings import MAX_LEASE_TTL, WorkerSettings
 
 VALUES = Path(__file__).resolve().parent.parent / "charts" / "agentrun" / "values.yaml"
 
@@ -40,3 +42,17 @@ def test_the_chart_default_is_the_workers_default(key: str, field: str) -> None:
 
 def test_the_chart_model_deadline_is_the_workers_default() -> None:
     assert pool_defaults()["modelDeadlineSeconds"] == WorkerSettings().retry.deadline
+
+
+def test_the_chart_bounds_the_lease_ttl_as_the_worker_does() -> None:
+    schema = json.loads((VALUES.parent / "values.schema.json").read_text())
+    bounds = [node["maximum"] for node in _walk(schema) if isinstance(node, dict)
+              and node.get("description", "").startswith("Lease time-to-live")]
+    assert bounds and set(bounds) == {MAX_LEASE_TTL}
+
+
+def _walk(node: Any) -> Iterator[Any]:
+    yield node
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    for child in children:
+        yield from _walk(child)

@@ -114,6 +114,10 @@ def pg_start(server: Any) -> None:
         ) from exc
 
 
+#: --liveness-threshold of the outage test: above the 30 s a claim waits for a pooled connection.
+OVER_POOL_TIMEOUT = 35
+
+
 def get(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
@@ -143,7 +147,11 @@ async def test_postgres_restart_mid_run_healthz_fails_then_recovers(
         store = await Store.open(url)
         try:
             run, _ = await store.create_run("echo through an outage", AGENT)
-            w = workers.start("w", lease_ttl=3, health=True, extra=["--liveness-threshold", "2"])
+            # A threshold above the pool's 30 s wait for a connection: each claim through the
+            # outage fails within it, and its backoff once counted as rest, so /healthz stayed
+            # 200 for as long as PostgreSQL was down (found by an adversarial review, 2026-12-06).
+            w = workers.start("w", lease_ttl=3, health=True,
+                              extra=["--liveness-threshold", str(OVER_POOL_TIMEOUT)])
             assert w.health_port is not None
             await wait_run(store, run.id, lambda r: r.next_seq >= 4, 30)
         finally:
@@ -154,7 +162,8 @@ async def test_postgres_restart_mid_run_healthz_fails_then_recovers(
         pg_stop(own_postgres)
         try:
             await wait_for(
-                lambda: get(w.health_port or 0, "/healthz")[0] == 503, 20, "/healthz to fail"
+                lambda: get(w.health_port or 0, "/healthz")[0] == 503, OVER_POOL_TIMEOUT * 4,
+                "/healthz to fail"
             )
             status, _ = await asyncio.to_thread(get, w.health_port, "/readyz")
             assert status == 503

@@ -26,6 +26,7 @@ from agentrun.config import (
     env_int,
 )
 from agentrun.errors import ConfigError
+from agentrun.logs import POD_NAME_ENV
 from agentrun.manifests import pool_problem
 from agentrun.pricing import BUILT_IN, PriceTable, load_prices
 from agentrun.store import DEFAULT_LEASE_TTL
@@ -33,6 +34,8 @@ from agentrun.tools import DEFAULT_TOOL_TIMEOUT
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
+#: The longest lease a worker may take (a day; values.schema.json's leaseTtlSeconds maximum).
+MAX_LEASE_TTL = 86_400
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,12 @@ class RetryPolicy:
 
 
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    """``<pod name>-<pid>-<random>``: the operator finds a pod's runs by this prefix to spare busy
+    pods at a scale-down (operator/autoscaler.py). The pod's name from the chart's ``POD_NAME``,
+    not its hostname, which the kubelet cuts to 63 characters (the same for every pod of a long
+    Deployment name); the hostname outside Kubernetes."""
+    host = os.environ.get(POD_NAME_ENV) or socket.gethostname()
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
 def env_name(flag: str) -> str:
@@ -154,9 +162,11 @@ def check_settings(s: WorkerSettings) -> None:
         raise bad("--pool", shown, problem)
     if s.concurrency < 1:
         raise bad("--concurrency", s.concurrency, "must be at least 1 (runs held at once)")
-    if not (finite(s.lease_ttl) and s.lease_ttl >= 1):
+    if not (finite(s.lease_ttl) and 1 <= s.lease_ttl <= MAX_LEASE_TTL):
+        # Bounded above too: a lease past year 9999 is committed by the claim, then cannot be
+        # read back (the worker died with a traceback), and never expires for anyone else.
         raise bad("--lease-ttl", s.lease_ttl,
-                  f"must be at least 1 (seconds; default {DEFAULT_LEASE_TTL:g})")
+                  f"must be from 1 to {MAX_LEASE_TTL} (seconds; default {DEFAULT_LEASE_TTL:g})")
     if not (finite(s.poll_interval) and s.poll_interval > 0):
         raise bad("--poll-interval", s.poll_interval, "must be more than 0 (seconds; default 5)")
     if not (finite(s.idle_interval) and s.idle_interval > 0):
