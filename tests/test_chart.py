@@ -263,12 +263,29 @@ def test_schema_requires_the_api_key_secret_name() -> None:
         ),
         (pools({"name": "default"}, {"name": "default"}), 'pool "default" is listed twice'),
         (["--set", "postgresql.enabled=true"], "not both"),
+        (pools({"name": "default", "concurrency": 2, "autoscaling": {"runsPerWorker": 3}}),
+         "workers.pools[default].autoscaling.runsPerWorker (3) must not exceed the pool's "
+         "concurrency (2): a worker holds no more runs than that; lower runsPerWorker or raise "
+         "concurrency"),
     ],
-    ids=["min-above-max", "duplicate-pool", "bundled-and-existing-db"],
+    ids=["min-above-max", "duplicate-pool", "bundled-and-existing-db", "runs-above-concurrency"],
 )  # fmt: skip
 def test_templates_refuse_inconsistent_values(values: list[str], message: str) -> None:
     err = refused(*SECRETS, *values)
     assert message in err, err
+
+
+def test_runs_per_worker_follows_a_pools_concurrency_unless_the_pool_sets_it() -> None:
+    """A pool of concurrency 2 kept the default runsPerWorker 4: the operator asked for half the
+    workers its runs needed and the other half stayed pending while it said "steady" (found by
+    an adversarial review on 2026-12-06)."""
+    docs = template(*SECRETS, *pools(
+        {"name": "small", "concurrency": 2},
+        {"name": "big", "concurrency": 8},
+        {"name": "own", "concurrency": 8, "autoscaling": {"runsPerWorker": 6}},
+    ))
+    assert {p["name"]: p["runsPerWorker"] for p in pools_file(docs)} == {
+        "small": 2, "big": 4, "own": 6}
 
 
 # -- resources: a limit below its request (issue 19) ----------------------------------------------

@@ -145,6 +145,15 @@ seccompProfile:
 {{- range $k, $v := (default dict .pool.autoscaling) -}}
 {{- $_ := set $as $k $v -}}
 {{- end -}}
+{{- /* runsPerWorker follows the pool's concurrency unless the pool sets it: a pool of
+       concurrency 2 kept the default 4, so the operator asked for half the workers its runs
+       needed and the rest stayed pending, "steady". */ -}}
+{{- if not (hasKey (default dict .pool.autoscaling) "runsPerWorker") -}}
+{{- $_ := set $as "runsPerWorker" (min (int $as.runsPerWorker) (int $pool.concurrency)) -}}
+{{- end -}}
+{{- if gt (int $as.runsPerWorker) (int $pool.concurrency) -}}
+{{- fail (printf "workers.pools[%s].autoscaling.runsPerWorker (%v) must not exceed the pool's concurrency (%v): a worker holds no more runs than that; lower runsPerWorker or raise concurrency" $pool.name $as.runsPerWorker $pool.concurrency) -}}
+{{- end -}}
 {{- $_ := set $pool "autoscaling" $as -}}
 {{- if gt (int $as.minReplicas) (int $as.maxReplicas) -}}
 {{- fail (printf "workers.pools[%s].autoscaling: minReplicas (%v) must not exceed maxReplicas (%v)" $pool.name $as.minReplicas $as.maxReplicas) -}}
