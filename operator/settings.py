@@ -16,6 +16,7 @@ not listed, so the operator never touches them)::
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,15 +130,17 @@ class OperatorSettings:
                 if n.strip()
             ],
             migrate=_env_bool("AGENTRUN_MIGRATE"),
-            resync_interval=env_float("AGENTRUN_RESYNC_INTERVAL", 10.0),
-            flush_interval=env_float("AGENTRUN_STATUS_FLUSH_INTERVAL", 0.2),
-            max_patches_per_second=env_float("AGENTRUN_MAX_PATCHES_PER_SECOND", 50.0),
-            scale_interval=env_float("AGENTRUN_SCALE_INTERVAL", 10.0),
-            metrics_interval=env_float("AGENTRUN_METRICS_INTERVAL", 300.0),
+            resync_interval=_positive("AGENTRUN_RESYNC_INTERVAL", cls.resync_interval),
+            flush_interval=_positive("AGENTRUN_STATUS_FLUSH_INTERVAL", cls.flush_interval,
+                                     zero=True),
+            max_patches_per_second=_positive("AGENTRUN_MAX_PATCHES_PER_SECOND",
+                                             cls.max_patches_per_second, unit="a second"),
+            scale_interval=_positive("AGENTRUN_SCALE_INTERVAL", cls.scale_interval),
+            metrics_interval=_positive("AGENTRUN_METRICS_INTERVAL", cls.metrics_interval),
             metrics_port=_port(env_int("AGENTRUN_METRICS_PORT", 9090)),
             health_port=_port(env_int("AGENTRUN_HEALTH_PORT", 8080)),
-            health_interval=env_float("AGENTRUN_HEALTH_INTERVAL", 5.0),
-            agent_retry_delay=env_float("AGENTRUN_AGENT_RETRY_DELAY", 15.0),
+            health_interval=_positive("AGENTRUN_HEALTH_INTERVAL", cls.health_interval),
+            agent_retry_delay=_positive("AGENTRUN_AGENT_RETRY_DELAY", cls.agent_retry_delay),
             worker_namespace=os.environ.get("AGENTRUN_WORKER_NAMESPACE") or None,
             tenancy=load_tenancy(tenancy_file) if tenancy_file else Tenancy(),
             approval_annotations=_env_bool("AGENTRUN_APPROVAL_ANNOTATIONS"),
@@ -150,6 +153,17 @@ def _env_bool(name: str, default: bool = True) -> bool:
     if value not in ("true", "false", "1", "0", "yes", "no"):
         raise ConfigError(f"{name} must be true or false, not {value!r}")
     return value in ("true", "1", "yes")
+
+
+def _positive(name: str, default: float, *, zero: bool = False, unit: str = "seconds") -> float:
+    """A finite number above 0 (or 0 too, with ``zero``), else a one-line error naming it: 0
+    made the readiness probe a busy loop and the patch rate a division by zero, a negative rate
+    spun for ever, NaN passed every comparison."""
+    value = env_float(name, default)
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        least = "0 or more" if zero else "more than 0"
+        raise ConfigError(f"{name} {value:g}: must be {least} ({unit}; default {default:g})")
+    return value
 
 
 def _port(value: int) -> int | None:

@@ -68,6 +68,26 @@ def test_worker_settings_from_the_environment_name_the_variable(database_url: st
             env={"AGENTRUN_CONCURRENCY": "0"}, says="(AGENTRUN_CONCURRENCY): must be at least 1")
 
 
+OPERATOR_CASES = [  # each once accepted: a busy loop, a division by zero, a spin, no bound
+    ({"AGENTRUN_HEALTH_INTERVAL": "0"},
+     "AGENTRUN_HEALTH_INTERVAL 0: must be more than 0 (seconds; default 5)"),
+    ({"AGENTRUN_MAX_PATCHES_PER_SECOND": "0"},
+     "AGENTRUN_MAX_PATCHES_PER_SECOND 0: must be more than 0 (a second; default 50)"),
+    ({"AGENTRUN_MAX_PATCHES_PER_SECOND": "-3"}, "AGENTRUN_MAX_PATCHES_PER_SECOND -3: must be"),
+    ({"AGENTRUN_RESYNC_INTERVAL": "-1"}, "AGENTRUN_RESYNC_INTERVAL -1: must be more than 0"),
+    ({"AGENTRUN_SCALE_INTERVAL": "nan"}, "AGENTRUN_SCALE_INTERVAL nan: must be more than 0"),
+    ({"AGENTRUN_STATUS_FLUSH_INTERVAL": "-0.5"},
+     "AGENTRUN_STATUS_FLUSH_INTERVAL -0.5: must be 0 or more (seconds; default 0.2)"),
+]
+
+
+@pytest.mark.parametrize(("env", "says"), OPERATOR_CASES)
+def test_operator_settings_are_checked_at_start(
+    database_url: str, env: dict[str, str], says: str
+) -> None:
+    refused("operator", url=database_url, env=env, says=says)
+
+
 @pytest.fixture
 def taken_port() -> Iterator[int]:
     with socket.socket() as sock:
