@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -440,7 +441,15 @@ async def actions(
                         run.id)
             elif key == RETRY:
                 reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
-                now = await store.retry(run.id, reason)  # ConfigError: refused
+                # Consumed first, as approve/reject: a replay after an operator killed before
+                # kopf's removal retried a run that had failed again, with nobody asking.
+                if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
+                    continue
+                try:
+                    now = await store.retry(run.id, reason)  # ConfigError: refused
+                except DB_ERRORS as exc:
+                    raise _not_recorded(exc) from None
+                crash_point("operator_after_annotation_retry", now.retries)
                 await app.event(ref, Event(
                     "Normal", Reason.RETRIED, one_line(
                         f"retry {now.retries} by {who}: continues from step {now.next_seq} "
@@ -463,17 +472,12 @@ async def actions(
                 # (the next irreversible call of that step) with no human looking. Now a death
                 # in between loses the decision (the run still waits; set it again), never
                 # applies it twice.
-                if not await app.kube.consume_annotation(namespace or "", name, uid, key,
-                                                         str(annotations[key])):
-                    log.info("AgentRun %s/%s: %s=%s was consumed before; not applied again",
-                             namespace, name, key, value, extra={"run_id": str(run.id)})
+                if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
                     continue
                 try:
                     call = await store.decide(run.id, seq, decision, decided_by=who)
                 except DB_ERRORS as exc:
-                    raise ConfigError(
-                        f"not recorded: the database is unavailable ({one_line(str(exc), 200)})"
-                        "; set the annotation again") from None
+                    raise _not_recorded(exc) from None
                 crash_point("operator_after_annotation_decide", seq)
                 await app.event(ref, Event(
                     "Normal",
@@ -491,6 +495,25 @@ async def actions(
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
         # Consumed: the same annotation can be set again for the next decision.
         patch.metadata.annotations[key] = None
+
+
+async def _consume(
+    app: OperatorApp, namespace: str, name: str, uid: str, key: str,
+    annotations: kopf.Annotations, run_id: UUID,
+) -> bool:
+    """Remove the action annotation ``key`` as it is now (a JSON patch testing its value), before
+    acting on it; False: it was consumed before (a replay of this handler), so not acted on."""
+    if await app.kube.consume_annotation(namespace, name, uid, key, str(annotations[key])):
+        return True
+    log.info("AgentRun %s/%s: %s=%s was consumed before; not applied again", namespace, name,
+             key, annotations[key], extra={"run_id": str(run_id)})
+    return False
+
+
+def _not_recorded(exc: BaseException) -> ConfigError:
+    """The refusal of a consumed action the database did not take: it is gone, so say so."""
+    return ConfigError(f"not recorded: the database is unavailable ({one_line(str(exc), 200)}); "
+                       "set the annotation again")
 
 
 # spec.ttlSecondsAfterFinished: a raw-event handler, not a kopf timer (a timer makes kopf

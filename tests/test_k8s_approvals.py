@@ -537,3 +537,37 @@ async def test_an_operator_killed_after_an_annotations_decision_never_applies_it
     waiting = await store.get_run(run.id)
     assert waiting.status == "waiting_approval" and waiting.pending_call == second
     assert await store.get_approval(run.id, 0, 1, "before_call") is None
+
+
+async def test_an_operator_killed_after_an_annotations_retry_never_retries_again(
+    kube: Kube, operator: Callable[..., OperatorProc], store: Store,
+) -> None:
+    """The retry annotation is consumed before the retry, as approve/reject are: an operator
+    killed after retrying, before kopf's removal, retried once back whatever the run had done
+    meanwhile, here failed again, with nobody asking (found on 2026-12-06)."""
+    first = operator(faults="operator_after_annotation_retry@1")
+    kube.apply_agent(agent_manifest())
+    kube.apply_agentrun(agentrun_manifest("flaky"))
+    rid = await eventually(
+        lambda: ((kube.agentrun("flaky") or {}).get("status") or {}).get("runId"), 30,
+        "flaky to get a run")
+    held = store.with_lease_ttl(60)
+
+    async def fail_it() -> None:
+        ((_, lease),) = (await held.claim("default", "w", 1)).claimed
+        await store.finish(lease, "failed", error="the tool was broken")
+
+    await fail_it()
+    kube.annotate("flaky", {"agentrun.dev/retry": "tool fixed"})
+    await asyncio.to_thread(first.popen.wait, 30)
+    assert first.popen.returncode == -9, first.output()[-3000:]
+    retried = await store.get_run(rid)
+    assert (retried.status, retried.retries) == ("pending", 1)
+    await fail_it()  # it fails again before anyone looks
+    operator()
+    await eventually(lambda: ((kube.agentrun("flaky") or {}).get("status") or {}).get("phase")
+                     == "failed", 30, "the second failure mirrored")
+    assert "agentrun.dev/retry" not in (
+        (kube.agentrun("flaky") or {})["metadata"].get("annotations") or {})
+    again = await store.get_run(rid)
+    assert (again.status, again.retries) == ("failed", 1)
