@@ -452,8 +452,7 @@ async def actions(
                 crash_point("operator_after_annotation_retry", now.retries)
                 await app.event(ref, Event(
                     "Normal", Reason.RETRIED, one_line(
-                        f"retry {now.retries} by {who}: continues from step {now.next_seq} "
-                        f"with a fresh budget of {now.max_attempts} attempts", 1000)),
+                        f"retry {now.retries} by {who}: {now.retried_as()}", 1000)),
                     run.id)
             else:
                 if not app.settings.approval_annotations:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -106,3 +107,49 @@ async def test_a_compensation_that_undoes_is_recorded_and_counted(store: Store) 
     assert [s.kind for s in await store.steps(h.run.id)] == ["model_turn", "compensation"]
     assert await store.compensations_due(h.run.id) == []
     assert metrics.aborts.labels("compensated")._value.get() == 1
+
+
+async def expire(store: Store, run_id: Any) -> None:
+    """The holder's lease runs out now (its worker died), as the clock would make it."""
+    async with store.pool.connection() as conn:
+        await conn.execute("UPDATE agent_run SET lease_until = now() - interval '1 second', "
+                           "updated_at = now() WHERE id = %s", [run_id])
+
+
+async def test_a_retry_of_a_run_dead_lettered_in_its_rollback_resumes_the_rollback(
+    store: Store,
+) -> None:
+    """cancel --rollback, then every claim's worker died in the compensation until the claim
+    dead-lettered the run: `agentrun retry` (what a dead letter asks for) cleared the rollback,
+    and the run went back to the model and its tools, ending succeeded with the effect it was
+    to undo still done (found by an adversarial review on 2026-12-06)."""
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
+    run, _ = await store.create_run("book a seat", agent, max_attempts=1)
+    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
+    block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
+             "input": {"item": "seat", "how": "release"}}
+    await store.append_step(lease, 0, "model_turn",
+                            {"content": [block], "stop_reason": "tool_use"})
+    metrics = WorkerMetrics()
+    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                     RetryPolicy(max_retries=0), is_draining=lambda: False)
+    await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, block, None)
+    await store.request_rollback(run.id, "cancelled", "plans changed")
+    # The holder dies; the next claim's worker dies inside the compensation; the one after
+    # dead-letters the run (maxAttempts 1).
+    await expire(store, run.id)
+    assert len((await store.claim("default", "w2", 1)).claimed) == 1
+    await expire(store, run.id)
+    assert len((await store.claim("default", "w3", 1)).dead_lettered) == 1
+
+    retried = await store.retry(run.id, "worker fixed")
+    assert (retried.status, retried.rollback_end) == ("pending", "cancelled")
+    assert retried.retried_as() == (
+        "it resumes its rollback (cancelled: plans changed) with a fresh budget of 1 attempts, "
+        "then ends cancelled")
+    ((run, lease),) = (await store.claim("default", "w4", 1)).claimed
+    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (
+        "cancelled", "cancelled: plans changed; compensated: unhold for hold (step 0)")
+    assert await store.compensations_due(run.id) == []

@@ -582,10 +582,8 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 async def cmd_retry(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
         run = await store.retry(args.run, reason=args.reason)  # ConfigError: refused, exit 2
-    print(
-        f"run {run.id}: retry {run.retries} ({run.retry_reason or 'no reason given'}); it "
-        f"continues from step {run.next_seq} with a fresh budget of {run.max_attempts} attempts"
-    )
+    print(f"run {run.id}: retry {run.retries} ({run.retry_reason or 'no reason given'}); "
+          f"{run.retried_as()}")
     return 0
 
 

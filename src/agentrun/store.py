@@ -488,6 +488,14 @@ class Run:
     def rolling_back(self) -> bool:
         """A rollback was asked for or began and the run has not ended: it runs to the end."""
         return self.rollback_reason is not None and not self.finished
+
+    def retried_as(self) -> str:
+        """What a retried run does next, for the retry's message (CLI and Event)."""
+        if self.rolling_back:
+            return (f"it resumes its rollback ({self.rollback_reason}) with a fresh budget of "
+                    f"{self.max_attempts} attempts, then ends {self.rollback_end or 'failed'}")
+        return (f"it continues from step {self.next_seq} with a fresh budget of "
+                f"{self.max_attempts} attempts")
     # The last tool call marked before it was invoked (migration 0005); after a takeover from a
     # worker that died inside it, also that worker's "lease_until".
     tool_call: dict[str, Any] | None = None

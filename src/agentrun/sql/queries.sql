@@ -646,16 +646,23 @@ SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
 -- again. A run whose abort compensated something (a 'compensation' step) is not retried: what
 -- it undid would be missing from the state it continues from. The error the retry clears is
 -- kept in retried_error, the reason in retry_reason (see migration 0007).
+-- A run dead-lettered in the middle of its rollback (every claim's worker died before the
+-- rollback ended, e.g. in a compensation) never finished it: it keeps its rollback_reason and
+-- rollback_end, so the retry resumes the rollback and the run ends as it was asked to. Cleared,
+-- it went back to the model and tools, and what it had to undo stayed done.
 UPDATE agent_run r
    SET status = 'pending', lease_owner = NULL, lease_until = NULL,
        stalled_attempts = 0, claim_seq = r.next_seq,
-       rollback_reason = NULL, rollback_end = NULL, result = NULL, finished_at = NULL,
+       rollback_reason = CASE WHEN r.status = 'dead_letter' THEN r.rollback_reason END,
+       rollback_end = CASE WHEN r.status = 'dead_letter' THEN r.rollback_end END,
+       result = NULL, finished_at = NULL,
        retried_error = r.error, error = NULL,
        retries = r.retries + 1, retry_reason = %(reason)s
  WHERE r.id = %(run_id)s
    AND r.status IN ('failed', 'dead_letter')
-   AND NOT EXISTS (SELECT 1 FROM agent_step s
-                    WHERE s.run_id = r.id AND s.kind = 'compensation')
+   AND ((r.status = 'dead_letter' AND r.rollback_reason IS NOT NULL)
+        OR NOT EXISTS (SELECT 1 FROM agent_step s
+                        WHERE s.run_id = r.id AND s.kind = 'compensation'))
 RETURNING r.*;
 
 -- compensation_count --
