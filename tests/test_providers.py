@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -33,7 +34,7 @@ from agentrun.pricing import INPUT_USD_PER_MTOK, cost_usd
 from agentrun.store import PromptVersion, Store
 from agentrun.worker.client import bedrock_client
 from agentrun.worker.model_call import RetryPolicy, build_request, call_model
-from agentrun.worker.providers import PermanentModelError
+from agentrun.worker.providers import PermanentModelError, Providers
 from tests.conftest import run_cli
 from tests.test_prompt_cache import answered, assert_totals_are_the_steps_sum
 from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_run
@@ -437,3 +438,24 @@ def test_the_workers_import_threads_import_one_module_at_a_time(
     assert second_done.is_set() and sys.modules["agentrun_quick_import"].VALUE == 1
     for name in ("agentrun_slow_import", "agentrun_quick_import"):
         sys.modules.pop(name, None)
+
+
+async def test_the_log_line_naming_a_providers_endpoint_carries_no_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway URL with user info or a ?key= token (ANTHROPIC_BASE_URL from a Secret) was
+    logged whole at the first run (found by an adversarial review on 2026-12-06)."""
+    import anthropic
+
+    url = "https://gwuser:GatewayToken-987654@gateway.example.com:8443/anthropic?key=QueryKey-55"
+    made: list[anthropic.AsyncAnthropic] = []
+
+    def make(traced: bool, transport: str) -> anthropic.AsyncAnthropic:
+        made.append(anthropic.AsyncAnthropic(base_url=url, api_key="unused"))
+        return made[-1]
+
+    with caplog.at_level(logging.INFO, logger="agentrun"):
+        await Providers({"anthropic": make}).get("anthropic")
+    await made[0].close()
+    [line] = [r.getMessage() for r in caplog.records if "calling" in r.getMessage()]
+    assert line == "provider anthropic: calling https://gateway.example.com:8443/anthropic"

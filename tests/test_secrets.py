@@ -46,6 +46,11 @@ CASES = [
     ("host=127.0.0.1 port=1 password=pw-alpha\\ pw-bravo", 3, "cannot connect"),
     ("postgresql://u:pw-alpha-bravo@127.0.0.1:1/db?sslmode=disable", 3, "cannot connect"),
     ("postgresql://u@127.0.0.1:1/db?password=pw-alpha-bravo", 3, "cannot connect"),
+    # libpq percent-decodes a query key: these set the password too (they were printed whole).
+    ("postgresql://u@127.0.0.1:1/db?pass%77ord=pw-alpha-bravo", 3, "cannot connect"),
+    ("postgresql://u@127.0.0.1:1/db?%70assword=pw-alpha-bravo&sslmode=disable", 3,
+     "cannot connect"),
+    ("postgresql://u@127.0.0.1:1/db?sslpassword=pw-alpha-bravo", 3, "cannot connect"),
     ("host=127.0.0.1 port=1 dbname=postgresql://u:pw-alpha-bravo@127.0.0.1:1/db", 3,
      "cannot connect"),
     # Strings libpq refuses: its message quotes pieces of them.
@@ -56,6 +61,7 @@ CASES = [
     ("postgresql://u:pw-alpha bravo@127.0.0.1:1/db", 2, "malformed"),
     ("postgresql://u:pw-alpha-bravo@[::1/db", 2, "malformed"),
     ("postgresql://u:pw-alpha-bravo@127.0.0.1:1/db?passwrd=x", 2, "malformed"),
+    ("postgresql://u@127.0.0.1:1/db?pass%77ord=pw-alpha-bravo&bogus=1", 2, "malformed"),
     # Not a scheme at all: "://" inside a keyword-form password.
     ("host=127.0.0.1 port=1 password=pw-alpha://bravo", 3, "cannot connect"),
 ]

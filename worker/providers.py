@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -93,6 +94,21 @@ def import_sdk_in_background() -> threading.Thread:
     return thread
 
 
+def endpoint(url: object) -> str:
+    """``scheme://host[:port]/path`` of a base URL, for a log line: never its user info or its
+    query, where a gateway's credentials may ride (``ANTHROPIC_BASE_URL`` from a Secret)."""
+    parts = urllib.parse.urlsplit(str(url))
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return urllib.parse.urlunsplit(
+        (parts.scheme, host + (f":{port}" if port else ""), parts.path, "", ""))
+
+
 class Providers:
     """One client per provider for the whole worker process, each made when a run first needs
     it (in a thread: finding credentials may ask a metadata server, and the SDK's import, if
@@ -127,7 +143,8 @@ class Providers:
             if client is None:
                 client = await asyncio.to_thread(self._make, provider)
                 self._clients[provider] = client
-                log.info("provider %s: calling %s", provider, getattr(client, "base_url", "?"))
+                log.info("provider %s: calling %s", provider,
+                         endpoint(getattr(client, "base_url", "?")))
         return client
 
     def _make(self, provider: str) -> ModelClient:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -82,12 +83,21 @@ def _uri_spans(url: str) -> list[tuple[int, int]]:
         end += 1
     if end < len(url) and url[end] == "@" and ":" in url[rest:end]:
         spans.append((url.index(":", rest) + 1, end))
+    return spans + _query_spans(url, to_end=False)
+
+
+def _query_spans(url: str, *, to_end: bool) -> list[tuple[int, int]]:
+    """The values of a URI's query parameters whose key is a password's: libpq percent-decodes
+    keys, so ``pass%77ord=`` sets the password as ``password=`` does (and ``sslpassword``, the
+    client key's). ``to_end``: the URI does not parse, so a value has no known end."""
+    spans = []
     query = url.find("?")
     if query >= 0:
         at = query + 1
         for pair in url[query + 1 :].split("&"):
-            if pair.split("=", 1)[0] == "password":
-                spans.append((at + len("password="), at + len(pair)))
+            key = pair.split("=", 1)[0]
+            if "=" in pair and urllib.parse.unquote(key).strip().lower().endswith("password"):
+                spans.append((at + len(key) + 1, len(url) if to_end else at + len(pair)))
             at += len(pair) + 1
     return spans
 
@@ -114,6 +124,7 @@ def _password_spans(url: str) -> list[tuple[int, int]]:
             m = re.search(r"password=", url)
             if m:
                 spans.append((m.end(), len(url)))
+            spans += _query_spans(url, to_end=True)
     else:
         keyword = _keyword_spans(url) if parsed else None
         if keyword is not None:
