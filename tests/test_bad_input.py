@@ -129,6 +129,35 @@ async def test_runs_shows_text_no_terminal_can_print(database_url: str, store: S
     assert "lone \\ud800 surrogate" in proc.stdout
 
 
+ESCAPES = "\x1b[2J\x1b[32mall tests passed\x1b[0m \x1b]52;c;cm0gLXJmIH4K\x07 \x9b31m"
+
+
+async def test_model_and_tool_text_reaches_no_terminal_as_escape_sequences(
+    database_url: str, store: Store
+) -> None:
+    """A model's text, a tool's output, an error and the task were printed with their ESC and
+    BEL bytes: text steered by what a run read could clear the screen of whoever looks at the
+    run, forge lines or set the clipboard (found by an adversarial review on 2026-12-06)."""
+    run, _ = await store.create_run("task " + ESCAPES, AgentSpec(model="m"))
+    [(_, lease)] = (await store.claim(run.pool, "w1")).claimed
+    await store.append_step(lease, 0, "model_turn", {"stop_reason": "tool_use", "content": [
+        {"type": "text", "text": "done " + ESCAPES},
+        {"type": "tool_use", "id": "t1", "name": "echo", "input": {"text": ESCAPES}}]})
+    await store.append_step(lease, 1, "tool_result", {"content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "out " + ESCAPES}]})
+    await store.finish(lease, "failed", error="boom " + ESCAPES)
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    for args in (["runs"], ["runs", "-o", "wide"], ["get", str(run.id)],
+                 ["get", str(run.id), "-o", "wide"], ["steps", str(run.id)],
+                 ["steps", str(run.id), "-o", "wide"], ["logs", str(run.id)],
+                 ["logs", str(run.id), "-o", "wide"]):
+        proc = run_cli(*args, env=env)
+        assert proc.returncode == 0, (args, proc.stderr)
+        shown = proc.stdout + proc.stderr
+        assert not any(c in shown for c in "\x1b\x07\x9b"), (args, shown)
+        assert "\\x1b[2J" in shown or "\\u001b[2J" in shown, (args, shown)
+
+
 @pytest.mark.parametrize(
     ("body", "raw", "says"),
     [

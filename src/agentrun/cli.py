@@ -35,6 +35,7 @@ from agentrun import __version__
 from agentrun.cli_format import (
     age,
     describe_run,
+    printable,
     run_to_json,
     short,
     step_line,
@@ -200,7 +201,7 @@ async def cmd_steps(args: argparse.Namespace) -> int:
     if run.error and run.status != "succeeded":
         # Why it ended is not in any step (the worker records it on the run): said last, under
         # the steps that led to it; whole with -o wide.
-        print(f"error: {run.error if wide else short(run.error, 300)}")
+        print(f"error: {printable(run.error) if wide else short(run.error, 300)}")
     return 0
 
 
@@ -1372,7 +1373,7 @@ async def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def one_line(message: str) -> str:

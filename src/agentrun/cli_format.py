@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
@@ -32,10 +33,21 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+#: What a terminal acts on: C0 controls but newline and tab, DEL, and C1 controls.
+_TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on shown as escapes (``\x1b``): a model's or a
+    tool's text, steered by what the run read, could otherwise clear the screen, forge lines or
+    set the clipboard of whoever looks at the run."""
+    return _TERMINAL_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def short(text: str | None, n: int = 60) -> str:
     if not text:
         return ""
-    one = " ".join(text.split())
+    one = printable(" ".join(text.split()))  # before the cut: never half an escape sequence
     return one if len(one) <= n else one[: n - 1] + "…"
 
 
@@ -134,7 +146,7 @@ def describe_run(run: Run, *, full: bool = False) -> str:
     def text(value: str | None) -> str:
         if value is None:
             return "-"
-        return value if full else short(value, 200)
+        return printable(value) if full else short(value, 200)
 
     def when(ts: datetime | None) -> str:
         return f"{ts.isoformat(timespec='seconds')} ({age(ts)} ago)" if ts else "-"
@@ -184,6 +196,6 @@ def step_line(step: Step, *, wide: bool = False) -> str:
     """One step as ``agentrun logs`` prints it."""
     summary = summarize_payload(step.payload)
     if wide:
-        summary = json.dumps(step.payload, ensure_ascii=False)
+        summary = printable(json.dumps(step.payload, ensure_ascii=False))
     when = step.created_at.strftime("%H:%M:%S.%f")[:-3]
     return f"{step.seq:>4}  {when}  {step.kind:<11}  {step.worker}  {summary}"
