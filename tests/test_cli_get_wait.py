@@ -345,3 +345,49 @@ async def test_wait_re_reads_the_run_when_its_listen_connection_comes_back(
     assert waiter.returncode == 5, err
     assert out.strip() == f"run {rid} cancelled"
     assert "lost the database's notifications" in err and "listening again" in err
+
+
+async def test_wait_and_logs_follow_ride_out_a_restart_of_every_connection_they_hold(
+    tmp_path: Path, database_url: str
+) -> None:
+    """A database restart kills the pooled connections too, not only the LISTEN one: the first
+    re-read after the reconnect took a dead one from the pool, and `wait` and `logs -f` ended
+    with exit 3 while the run went on (found by an adversarial review on 2026-12-06). Every
+    backend of the two is terminated here, as a restart does; then the run is cancelled."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "blip"), env)
+    clis = Clis({**env, "PGAPPNAME": "agentrun-blip"})
+    try:
+        waiter = clis.start("wait", rid)
+        follower = clis.start("logs", "-f", rid)
+        await wait_for(lambda: listeners(database_url) >= 2, 30, "two LISTENing followers")
+
+        def theirs() -> list[int]:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                return [pid for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'agentrun-blip'")]
+
+        killed = theirs()
+        assert len(killed) >= 3  # two LISTEN sessions and at least one pooled connection
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
+                         [killed])
+        await wait_for(lambda: not set(killed) & set(theirs()), 30, "their backends gone")
+
+
+        def still_following() -> bool:
+            for p in (waiter, follower):
+                if p.poll() is not None:
+                    raise AssertionError(f"{p.args} exited {p.returncode}: "
+                                         f"{p.communicate()[1][-1000:]}")
+            return listeners(database_url) >= 2
+
+        await wait_for(still_following, 30, "both listening again")
+        assert run_cli("cancel", rid, env=env).returncode == 0
+        out, err = waiter.communicate(timeout=60)
+        assert (waiter.returncode, out.strip()) == (5, f"run {rid} cancelled"), err
+        out, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err
+        assert f"run {rid} cancelled" in err
+    finally:
+        clis.stop_all()

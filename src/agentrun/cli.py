@@ -27,7 +27,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 import psycopg
 
@@ -327,6 +327,36 @@ class RunChanges:
         return why
 
 
+T = TypeVar("T")
+
+
+class Rereads:
+    """A follower's re-reads through a database restart: the pool hands out a connection the
+    restart killed (once each), which ended `wait` and `logs -f` with exit 3 while the run went
+    on. A failed read is said once and tried again soon; the LISTEN side reconnects by itself."""
+
+    def __init__(self, run_id: Any) -> None:
+        self.run_id = run_id
+        self.failing = False
+
+    def wait(self, wait: float | None) -> float | None:
+        """How long to wait for a wake-up: no longer than a moment while reads fail."""
+        return wait if not self.failing else min(wait or RELISTEN_DELAY, RELISTEN_DELAY)
+
+    async def read(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> tuple[bool, T | None]:
+        """``fn()``'s value, or (False, None) when the database did not answer."""
+        try:
+            value = await fn()
+        except DB_ERRORS as exc:
+            if not self.failing:
+                print(f"agentrun: run {self.run_id}: cannot read it "
+                      f"({' '.join(str(exc).split())[:200]}); trying again", file=sys.stderr)
+            self.failing = True
+            return False, None
+        self.failing = False
+        return True, value
+
+
 async def wait_for_end(
     store: Store, run_id: Any, within: float | None, *, tick: float | None = None,
     on_tick: Callable[[], Coroutine[Any, Any, None]] | None = None,
@@ -337,14 +367,17 @@ async def wait_for_end(
     poll; ``on_tick`` runs every ``tick`` seconds and after every re-read."""
     loop = asyncio.get_running_loop()
     deadline = None if within is None else loop.time() + within
+    reads = Rereads(run_id)
     async with RunChanges(store, run_id) as changes:
         while True:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return None
             wait = remaining if tick is None else min(tick, remaining or tick)
-            woken = await changes.changed(wait)
-            run = await store.get_run(run_id) if woken else None
+            woken = await changes.changed(reads.wait(wait))
+            run = None
+            if woken or reads.failing:
+                _, run = await reads.read(lambda: store.get_run(run_id))
             if on_tick is not None:
                 await on_tick()
             if run is not None and run.finished:
@@ -440,15 +473,16 @@ async def _follow(
     for name, value in ((FOLLOW_RESYNC_ENV, resync), (FOLLOW_LEASE_ENV, lease)):
         if not value > 0:
             raise ConfigError(f"{name}={value:g}: must be more than 0 seconds")
+    reads = Rereads(run_id)
     async with _following(store, run_id, lease), RunChanges(store, run_id, steps=True) as ch:
         while True:
-            why = await ch.changed(resync)
-            if why == {"steps"}:  # only new steps: the run is still live
-                await more()
+            why = await ch.changed(reads.wait(resync))
+            if why == {"steps"} and not reads.failing:  # only new steps: the run is still live
+                await reads.read(more)
                 continue
-            run = await store.get_run(run_id)  # read before the steps: none come after its end
-            await more()
-            if run.finished:
+            # The run read before the steps: none come after its end.
+            read, run = await reads.read(lambda: store.get_run(run_id))
+            if read and (await reads.read(more))[0] and run is not None and run.finished:
                 return run
 
 
