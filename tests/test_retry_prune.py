@@ -265,6 +265,9 @@ async def test_prune_deletes_only_finished_runs_older_than_the_cutoff_in_batches
 
     # Bad input: exit 2, the error line names the option (argparse's usage line may precede it).
     for bad, field in ((["--older-than", "soon"], "--older-than"),
+                       # Past the calendar: a traceback (OverflowError) before, --dry-run too.
+                       (["--older-than", "200000w", "--dry-run"], "is too long: at most 52000w"),
+                       (["--older-than", "999999999999w"], "is too long"),
                        (["--older-than", "1d", "--status", "running"], "--status"),
                        (["--older-than", "1d", "--batch", "0"], "--batch")):
         refused = cli(database_url, "prune", *bad)

@@ -640,7 +640,16 @@ def parse_duration(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a duration: a number and a unit s, m, h, d or w (e.g. 30d, 12h)"
         )
-    return timedelta(seconds=sum(int(n) * _DURATION_UNITS[u] for n, u in parts))
+    seconds = sum(int(n) * _DURATION_UNITS[u] for n, u in parts)
+    # Bounded by the calendar: anything older than year 1 is no cutoff (it was a traceback).
+    if seconds > MAX_DURATION.total_seconds():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too long: at most {MAX_DURATION.days // 7}w (about 1,000 years)")
+    return timedelta(seconds=seconds)
+
+
+#: The longest duration the CLI takes: a cutoff that far back is still a date.
+MAX_DURATION = timedelta(weeks=52_000)
 
 
 #: Runs per prune batch: 100 runs of 1,000 steps delete in about 0.8 s here, far inside the
