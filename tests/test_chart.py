@@ -571,13 +571,29 @@ def test_the_admission_policy_makes_the_approver_the_requester() -> None:
 
 
 @pytest.mark.parametrize("values", [[*SECRETS], [*SECRETS, *VAP_API, "--set",
-                                                  "approvals.admissionPolicy=false"]],
+                                                  "approvals.admissionPolicy=false", "--set",
+                                                  "operator.podPatchPolicy=false"]],
                          ids=["server-without-policies", "turned-off"])
 def test_the_admission_policy_is_left_out_where_it_cannot_or_should_not_be(
     values: list[str]
 ) -> None:
     kinds = {d["kind"] for d in template(*values)}
     assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
+def test_the_operators_pod_patch_policy_is_valid_and_has_a_switch_of_its_own() -> None:
+    name = f"{FULLNAME}-operator-pod-patches"
+    docs = template(*SECRETS, *VAP_API, "--set", "approvals.admissionPolicy=false")
+    policies = of_kind(docs, "ValidatingAdmissionPolicy")
+    assert [p["metadata"]["name"] for p in policies] == [name]
+    binding = named(docs, "ValidatingAdmissionPolicyBinding", name)
+    for doc in (policies[0], binding):
+        kv.validate(doc, kv.latest_version(), strict=True)
+    (condition,) = policies[0]["spec"]["matchConditions"]
+    assert condition["expression"] == (
+        f'request.userInfo.username == "system:serviceaccount:{NAMESPACE}:{FULLNAME}-operator"')
+    assert binding["spec"]["matchResources"] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}}
 
 
 def test_the_approval_annotations_switch() -> None:

@@ -695,6 +695,53 @@ async def test_busy_worker_pods_get_a_higher_deletion_cost_and_helm_counts_win(
     assert op.metric("agentrun_scaling_decisions_total", pool="batch", direction="down") is None
 
 
+async def test_the_operator_may_patch_a_pods_deletion_cost_and_nothing_else(
+    cluster: Kube, release: Release, tmp_path: Path
+) -> None:
+    """RBAC cannot narrow "patch pods" to one annotation, and a patched image runs with the
+    worker's Secrets in its environment: the chart's ValidatingAdmissionPolicy lets the operator's
+    ServiceAccount change a pod's deletion cost and nothing else (found by a security review on
+    2026-12-06). With its own token, on the real API server."""
+    ns = cluster.namespace
+    code, out = cluster.request("POST", f"/api/v1/namespaces/{ns}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "w", "labels": {"agentrun.dev/pool": "default"},
+                     "annotations": {"team": "a"}},
+        "spec": {"containers": [{"name": "worker", "image": "agentrun"}]}})
+    assert code == 201, out
+    operator = Kube(release.kubeconfig_for(release.operator_sa, tmp_path), ns)
+    path = f"/api/v1/namespaces/{ns}/pods/w"
+    evil = {"spec": {"containers": [{"name": "worker", "image": "evil"}]}}
+
+    def patch(body: dict[str, Any], dry: bool = False) -> tuple[int, Any]:
+        return operator.request("PATCH", path + ("?dryRun=All" if dry else ""), body,
+                                "application/strategic-merge-patch+json")
+
+    try:
+        # A new policy takes a moment to reach the admission plugin: probed by dry runs.
+        await eventually(lambda: patch(evil, dry=True)[0] == 403, 60, "the policy enforced")
+        cost = {"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": "3"}}}
+        assert patch(cost)[0] == 200
+        for body in (evil, {"metadata": {"labels": {"agentrun.dev/pool": "other"}}},
+                     {"metadata": {"annotations": {"team": "b"}}},
+                     {"metadata": {"finalizers": ["example.com/hold"]}}):
+            code, out = patch(body)
+            assert code == 403, (body, out)
+            assert "may change only a pod's controller.kubernetes.io/pod-deletion-cost" in (
+                out["message"]), out
+        pod = cluster.pod("w") or {}
+        assert pod["spec"]["containers"][0]["image"] == "agentrun"
+        assert pod["metadata"]["annotations"] == {
+            "team": "a", "controller.kubernetes.io/pod-deletion-cost": "3"}
+        # Anyone else is not matched: the admin may change the image (a dry run).
+        code, out = cluster.request("PATCH", path + "?dryRun=All", evil,
+                                    "application/strategic-merge-patch+json")
+        assert code == 200, out
+    finally:
+        operator.close()
+        cluster.request("DELETE", path)
+
+
 async def test_the_same_yaml_runs_through_kubectl_apply_and_agentrun_submit(
     cluster: Kube, operators: NsOperators, store: Store, database_url: str
 ) -> None:
