@@ -88,6 +88,19 @@ async def append_all(
     )
 
 
+async def terminate_backend(url: str, pid: int) -> None:
+    """Kill a session's backend, as a restart does, and wait until it is gone."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+        await c.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # On the state, not the clock: until the backend has gone.
+        gone = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+        for _ in range(3000):  # the bound only stops a hang (30 s)
+            if await (await c.execute(gone, (pid,))).fetchone() is None:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"backend {pid} still there after pg_terminate_backend")
+
+
 async def run_row(url: str, run_id: UUID) -> dict[str, Any]:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         cur = conn.cursor(row_factory=psycopg.rows.dict_row)
@@ -268,17 +281,7 @@ async def test_a_connection_lost_mid_batch_fails_every_caller_and_applies_nothin
     leases = await held_runs(store, 5)
 
     async def kill(cur: Any) -> None:
-        pid = cur.connection.info.backend_pid
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
-            await c.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            # On the state, not the clock: until the backend has gone.
-            gone = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
-            for _ in range(3000):  # the bound only stops a hang (30 s)
-                if await (await c.execute(gone, (pid,))).fetchone() is None:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError(f"backend {pid} still there after pg_terminate_backend")
+        await terminate_backend(database_url, cur.connection.info.backend_pid)
 
     sent.before_batch = kill
     results = await append_all(store, leases)
@@ -458,3 +461,117 @@ def test_the_worker_exports_the_append_counters() -> None:
     sample = metrics.registry.get_sample_value
     assert sample("agentrun_append_statements_total") == 2
     assert sample("agentrun_append_rows_total") == 16
+
+
+class Deadlock:
+    """A real deadlock with the next statement sent on ``cur`` (:meth:`close_on`): another
+    transaction holds the last of ``leases`` in lock order, and once that statement waits for
+    it, asks for the first, which the statement holds. The statement's session, at the default
+    deadlock_timeout, is the one PostgreSQL fails; then the other transaction rolls back."""
+
+    def __init__(self, url: str, leases: list[Lease]) -> None:
+        self.url = url
+        self.order = sorted(leases, key=lambda lease: lease.run_id)  # the lock order
+        self.task: asyncio.Task[None] | None = None
+        self.blocker: psycopg.AsyncConnection[Any] | None = None
+
+    TOUCH = "UPDATE agent_run SET updated_at = now() WHERE id = %s"
+
+    async def __aenter__(self) -> Deadlock:
+        self.blocker = await psycopg.AsyncConnection.connect(self.url)
+        await self.blocker.execute("SET deadlock_timeout = '60s'")
+        await self.blocker.execute(self.TOUCH, (self.order[-1].run_id,))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            if self.task is not None:
+                await asyncio.wait_for(self.task, 30)
+        finally:
+            assert self.blocker is not None
+            await self.blocker.close()
+
+    async def close_on(self, cur: Any) -> None:
+        pid = cur.connection.info.backend_pid
+        blocker = self.blocker
+        assert blocker is not None
+
+        async def take_the_first() -> None:
+            async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+                waiting = ("SELECT 1 FROM pg_stat_activity WHERE pid = %s "
+                           "AND wait_event_type = 'Lock'")
+                for _ in range(3000):  # the bound only stops a hang (30 s)
+                    if await (await c.execute(waiting, (pid,))).fetchone() is not None:
+                        break
+                    await asyncio.sleep(0.01)
+            await blocker.execute(self.TOUCH, (self.order[0].run_id,))  # the statement holds it
+            await blocker.rollback()  # the statement was failed; what comes after goes on
+
+        self.task = asyncio.create_task(take_the_first())
+
+
+async def test_a_batch_failed_to_break_a_deadlock_is_appended_run_by_run(
+    store: Store, sent: Sent, database_url: str
+) -> None:
+    """A batch and another multi-row statement on the same runs (the worker's own heartbeat)
+    deadlocked, and PostgreSQL failed the batch: every run in it was dropped as if the database
+    were down, though nothing was applied (found by an adversarial review on 2026-12-06). Rows
+    are now locked in one order (the heartbeat's too), and a batch failed so is sent again run
+    by run."""
+    leases = await held_runs(store, 4)
+    async with Deadlock(database_url, leases[1:]) as deadlock:
+        sent.before_batch = deadlock.close_on
+        results = await append_all(store, leases)
+    assert sent.kinds[:2] == ["one", "batch"]
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert store.append_stats.fallbacks == 1
+    for lease in leases:
+        assert len(await store.steps(lease.run_id)) == 1
+
+
+async def test_a_heartbeat_failed_to_break_a_deadlock_renews_once_more(
+    store: Store, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat's side of the same deadlock: its renewal, failed whole, is sent once more
+    instead of counting every lease as lost for that interval."""
+    leases = await held_runs(store, 3)
+    real = psycopg.AsyncConnection.execute
+    renewals = 0
+
+    async with Deadlock(database_url, leases) as deadlock:
+        async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            nonlocal renewals
+            if query == queries["renew_leases"]:
+                renewals += 1
+                if renewals == 1:
+                    await deadlock.close_on(self.cursor())
+            return await real(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.AsyncConnection, "execute", execute)
+        assert await store.renew_all(leases) == {}
+    assert renewals == 2
+
+
+async def test_a_batch_that_committed_stands_when_the_explanation_of_its_misses_fails(
+    store: Store, sent: Sent, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch with a run it could not write (cancelled here) asks why in a second query. The
+    connection lost between the two failed every caller, also those whose step had committed
+    (found by an adversarial review on 2026-12-06): only the missed run gets the error now."""
+    leases = await held_runs(store, 4)
+    await store.cancel(leases[3].run_id, "changed plans")
+    real = psycopg.AsyncCursor.execute
+
+    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == queries["fence_states"]:
+            await terminate_backend(database_url, self.connection.info.backend_pid)
+        return await real(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", execute)
+    results = await append_all(store, leases)
+    assert sent.kinds[:2] == ["one", "batch"]
+    assert [isinstance(r, BaseException) for r in results] == [False, False, False, True]
+    assert isinstance(results[3], psycopg.OperationalError)
+    for lease in leases[:3]:
+        assert len(await store.steps(lease.run_id)) == 1
+    assert await store.steps(leases[3].run_id) == []

@@ -1010,14 +1010,21 @@ class Store:
         workers = {lease.worker for lease in leases}
         if len(workers) != 1:
             raise ValueError(f"renew_all renews the leases of one worker, not {sorted(workers)}")
+        ordered = sorted(leases, key=_lock_order)
         params = {
             "worker": workers.pop(),
-            "run_ids": [lease.run_id for lease in leases],
-            "epochs": [lease.epoch for lease in leases],
+            "run_ids": [lease.run_id for lease in ordered],
+            "epochs": [lease.epoch for lease in ordered],
             "ttl": self.lease_ttl,
         }
         async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["renew_leases"], params)
+            for tries_left in (1, 0):
+                try:
+                    cur = await conn.execute(queries["renew_leases"], params)
+                    break
+                except ROLLED_BACK:  # nothing was renewed: once more, at once
+                    if not tries_left:
+                        raise
             renewed = {row[0] for row in await cur.fetchall()}
             lost = [lease for lease in leases if lease.run_id not in renewed]
             if not lost:
@@ -1118,43 +1125,57 @@ class Store:
                     psycopg.DataError) as exc:
                 return [exc]
         worker = batch[0].lease.worker
+        # Rows locked in the order the heartbeat locks them (renew_all): in their own orders, a
+        # batch and the same worker's renewal of the same runs deadlocked, and PostgreSQL failed
+        # the whole batch.
+        ordered = sorted(batch, key=lambda a: _lock_order(a.lease))
         params = {
             "worker": worker,
-            "run_ids": [a.lease.run_id for a in batch],
-            "epochs": [a.lease.epoch for a in batch],
-            "seqs": [a.seq for a in batch],
-            "ttls": [float(a.ttl) for a in batch],
-            "input_tokens": [a.input_tokens for a in batch],
-            "output_tokens": [a.output_tokens for a in batch],
-            "cache_read_tokens": [a.cache_read_tokens for a in batch],
-            "cache_write_tokens": [a.cache_write_tokens for a in batch],
-            "cost_usd": [float(a.cost_usd) for a in batch],
-            "kinds": [a.kind for a in batch],
-            "payloads": [a.payload for a in batch],
-            "request_ids": [a.request_id for a in batch],
-            "tool_calls": [a.tool_call for a in batch],
+            "run_ids": [a.lease.run_id for a in ordered],
+            "epochs": [a.lease.epoch for a in ordered],
+            "seqs": [a.seq for a in ordered],
+            "ttls": [float(a.ttl) for a in ordered],
+            "input_tokens": [a.input_tokens for a in ordered],
+            "output_tokens": [a.output_tokens for a in ordered],
+            "cache_read_tokens": [a.cache_read_tokens for a in ordered],
+            "cache_write_tokens": [a.cache_write_tokens for a in ordered],
+            "cost_usd": [float(a.cost_usd) for a in ordered],
+            "kinds": [a.kind for a in ordered],
+            "payloads": [a.payload for a in ordered],
+            "request_ids": [a.request_id for a in ordered],
+            "tool_calls": [a.tool_call for a in ordered],
         }
         self.append_stats.count(len(batch))
         try:
             cur = await conn.execute(queries["append_steps"], params)
             written: dict[UUID, datetime] = {row[0]: row[1] for row in await cur.fetchall()}
-        except (psycopg.IntegrityError, psycopg.DataError):
+        except (psycopg.IntegrityError, psycopg.DataError, *ROLLED_BACK):
             # The statement failed whole, so nothing of it was applied: a value a column refuses,
-            # or a duplicate that raced the statement's check (a concurrent append of the same
-            # seq). Each append again on its own, so each caller gets its own answer.
+            # a duplicate that raced the statement's check (a concurrent append of the same seq),
+            # or a deadlock PostgreSQL broke by failing it. Each append again on its own, so each
+            # caller gets its own answer.
             self.append_stats.fallbacks += 1
             return await _outcomes(self._append_one(a, conn) for a in batch)
         missed = [a for a in batch if a.lease.run_id not in written]
         states: dict[UUID, dict[str, Any]] = {}
+        unexplained: Exception | None = None
         if missed:
-            explain = conn.cursor(row_factory=dict_row)
-            await explain.execute(queries["fence_states"],
-                                  {"ids": [a.lease.run_id for a in missed]})
-            states = {row["id"]: row for row in await explain.fetchall()}
+            try:
+                explain = conn.cursor(row_factory=dict_row)
+                await explain.execute(queries["fence_states"],
+                                      {"ids": [a.lease.run_id for a in missed]})
+                states = {row["id"]: row for row in await explain.fetchall()}
+            except psycopg.Error as exc:
+                # The batch committed: its written appends stand. Only the missed ones, which
+                # were not written anyway, get the error (their runs are dropped as in an outage).
+                unexplained = exc
         out: list[datetime | Exception] = []
         for a in batch:
             if a.lease.run_id in written:
                 out.append(written[a.lease.run_id])
+                continue
+            if unexplained is not None:
+                out.append(unexplained)
                 continue
             state = states.get(a.lease.run_id)
             held = (
@@ -1710,6 +1731,17 @@ def _waited_on(row: dict[str, Any]) -> dict[str, Any] | None:
     attempt = int(pending.get("attempt") or (
         pending["stage"] == "outcome_unknown" and row["intent_attempt"]) or 1)
     return {**pending, "attempt": attempt}
+
+
+#: What PostgreSQL fails a statement with to break a deadlock or a serialization conflict: the
+#: statement applied nothing, so sending it again is safe.
+ROLLED_BACK = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+
+def _lock_order(lease: Lease) -> UUID:
+    """The order every multi-run statement of a worker locks its runs in (the heartbeat's, a
+    group commit's batch): one order, so two of them can never wait on each other."""
+    return lease.run_id
 
 
 def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:

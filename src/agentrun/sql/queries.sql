@@ -310,12 +310,20 @@ RETURNING lease_until;
 -- The worker's heartbeat for every held run that is due, in one statement whatever their number
 -- (Store.renew_all): each row is fenced by its own epoch, as renew_lease is; the ids returned
 -- were renewed, the others are no longer this worker's (fence_states says why).
+-- The rows are locked first, in id order: the order of a group commit's batch (append_steps,
+-- read by its primary key). Locked as the join met them, a renewal and a batch of the same runs
+-- deadlocked, and PostgreSQL failed one of them.
+WITH locked AS (
+    SELECT id FROM agent_run WHERE id = ANY(%(run_ids)s::uuid[]) ORDER BY id
+       FOR NO KEY UPDATE
+)
 UPDATE agent_run
    SET lease_until = now() + make_interval(secs => %(ttl)s),
        updated_at = now()  -- stamped here: the pin trigger is skipped (migration 0018)
   FROM unnest(%(run_ids)s::uuid[], %(epochs)s::bigint[]) AS held(run_id, epoch)
  WHERE id = held.run_id
    AND lease_owner = %(worker)s AND lease_epoch = held.epoch AND status = 'running'
+   AND id IN (SELECT id FROM locked)
 RETURNING id;
 
 -- release_lease --
