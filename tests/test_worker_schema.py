@@ -122,12 +122,18 @@ async def test_a_worker_waiting_for_its_schema_stops_cleanly_on_sigterm(bare: Wo
 async def test_a_schema_newer_than_the_worker_knows_is_one_warning_and_work_goes_on(
     bare: Workers, fake: FakeFactory, empty_database_url: str
 ) -> None:
-    """An image rolled back after its successor migrated must not crash-loop every worker."""
-    assert run_cli("migrate", env={"AGENTRUN_DATABASE_URL": empty_database_url}).returncode == 0
+    """An image rolled back after its successor migrated must not crash-loop every worker. The
+    successor's migration adds columns, as most have: read with SELECT * and RETURNING *, they
+    failed the worker with a TypeError after each claim had committed, until its runs were
+    dead-lettered, and the CLI with a traceback (found by an adversarial review on 2026-12-06)."""
+    env = {"AGENTRUN_DATABASE_URL": empty_database_url}
+    assert run_cli("migrate", env=env).returncode == 0
     newer = latest_version() + 1
     with psycopg.connect(empty_database_url, autocommit=True) as conn:
         conn.execute("INSERT INTO agentrun_migration (version, name) VALUES (%s, 'from_later')",
                      (newer,))  # fmt: skip
+        for table in ("agent_run", "agent_step", "tool_effect", "approval", "run_handover"):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN from_later text DEFAULT 'x'")
     bare.env["ANTHROPIC_BASE_URL"] = fake(echo_scenario(2)).base_url
     w = bare.start("w", health=True, poll=0.5)
     alive = lambda: w.popen.poll() is None  # noqa: E731
@@ -139,7 +145,10 @@ async def test_a_schema_newer_than_the_worker_knows_is_one_warning_and_work_goes
     async with await Store.open(empty_database_url, max_size=2) as store:
         run, _ = await store.create_run("echo twice", AGENT)
         done = await wait_run(store, run.id, lambda r: r.finished, 30)
-    assert done.status == "succeeded", done.error
+    assert (done.status, done.attempt) == ("succeeded", 1), done.error
+    for args in (["runs"], ["get", str(run.id)], ["steps", str(run.id)]):
+        shown = run_cli(*args, env=env)
+        assert shown.returncode == 0 and str(run.id)[:8] in shown.stdout, (args, shown.stderr)
     w.signal(signal.SIGTERM)
     assert w.wait() == 0
 

@@ -30,10 +30,10 @@ import math
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from functools import cached_property
-from typing import Any, Literal, Self, overload
+from typing import Any, Literal, Self, TypeVar, overload
 from uuid import UUID
 
 import psycopg
@@ -41,7 +41,7 @@ from psycopg import sql
 from psycopg.abc import Buffer
 from psycopg.adapt import AdaptersMap
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import BaseRowFactory, RowMaker, dict_row
 from psycopg.types.json import Json, Jsonb, set_json_dumps, set_json_loads
 from psycopg.types.string import (
     StrBinaryDumper,
@@ -857,7 +857,7 @@ class Store:
             "max_attempts": max_attempts,
         }
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["insert_run"], params)
             created = await cur.fetchone()
             if created is not None:
@@ -873,7 +873,7 @@ class Store:
     async def get_run(self, run_id: str | UUID) -> Run:
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["get_run"], {"id": rid})
             run = await cur.fetchone()
         if run is None:
@@ -891,7 +891,7 @@ class Store:
         """The newest runs first; ``namespace``: only runs of that (Kubernetes or manifest)
         namespace."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(
                 queries["list_runs"],
                 {"pool": pool, "status": status, "limit": limit, "namespace": namespace},
@@ -1217,7 +1217,7 @@ class Store:
         a cancel never interrupts a rollback, which runs to its end)."""
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["cancel_run"], {"run_id": rid, "reason": reason})
             run = await cur.fetchone()
         return (run, True) if run is not None else (await self.get_run(rid), False)
@@ -1227,7 +1227,7 @@ class Store:
     async def effects(self, run_id: UUID, seq: int) -> dict[int, Effect]:
         """The recorded effects of the calls of turn ``seq``, by call index."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Effect))
+            cur = conn.cursor(row_factory=known_row(Effect))
             await cur.execute(queries["list_effects"], {"run_id": run_id, "seq": seq})
             return {e.call_index: e for e in await cur.fetchall()}
 
@@ -1277,7 +1277,7 @@ class Store:
 
     async def compensations_due(self, run_id: UUID) -> list[Effect]:
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Effect))
+            cur = conn.cursor(row_factory=known_row(Effect))
             await cur.execute(queries["compensations_due"], {"run_id": run_id})
             return await cur.fetchall()
 
@@ -1307,7 +1307,7 @@ class Store:
         """The decision on attempt ``attempt`` of a call at ``stage`` ('before_call': may
         attempt 1 start; 'outcome_unknown': attempt n died mid-call, may attempt n + 1 start)."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Approval))
+            cur = conn.cursor(row_factory=known_row(Approval))
             await cur.execute(
                 queries["get_approval"],
                 {"run_id": run_id, "seq": seq, "call_index": call_index, "stage": stage,
@@ -1318,7 +1318,7 @@ class Store:
     async def last_approval_on_step(self, run_id: UUID, seq: int) -> Approval | None:
         """The latest decision on any call of step ``seq``."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Approval))
+            cur = conn.cursor(row_factory=known_row(Approval))
             await cur.execute(queries["last_approval_on_step"], {"run_id": run_id, "seq": seq})
             return await cur.fetchone()
 
@@ -1419,7 +1419,7 @@ class Store:
         rid = parse_run_id(run_id)
         reason = rollback_reason(end, why)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["request_rollback"],
                               {"run_id": rid, "reason": reason, "end": end})
             run = await cur.fetchone()
@@ -1430,13 +1430,13 @@ class Store:
     async def steps(self, run_id: str | UUID) -> list[Step]:
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Step))
+            cur = conn.cursor(row_factory=known_row(Step))
             await cur.execute(queries["list_steps"], {"run_id": rid})
             return await cur.fetchall()
 
     async def pool_depth(self) -> dict[str, PoolDepth]:
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(PoolDepth))
+            cur = conn.cursor(row_factory=known_row(PoolDepth))
             await cur.execute(queries["pool_depth"])
             return {d.pool: d for d in await cur.fetchall()}
 
@@ -1486,7 +1486,7 @@ class Store:
         """Every change of hands of the run, oldest first: graceful hand-overs and the claims
         that took over an expired lease (migration 0009)."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Handover))
+            cur = conn.cursor(row_factory=known_row(Handover))
             await cur.execute(queries["run_handovers"], {"run_id": run_id})
             return list(await cur.fetchall())
 
@@ -1503,13 +1503,13 @@ class Store:
 
     async def _one_run(self, query: str, **params: Any) -> Run | None:
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries[query], params)
             return await cur.fetchone()
 
     async def _runs(self, query: str, **params: Any) -> list[Run]:
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries[query], params)
             return await cur.fetchall()
 
@@ -1541,7 +1541,7 @@ class Store:
     async def steps_from(self, run_id: UUID, from_seq: int) -> list[Step]:
         """The run's steps with seq >= ``from_seq``, in order (agentrun logs -f)."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Step))
+            cur = conn.cursor(row_factory=known_row(Step))
             await cur.execute(queries["list_steps_after"], {"run_id": run_id, "from_seq": from_seq})
             return await cur.fetchall()
 
@@ -1573,7 +1573,7 @@ class Store:
         succeeded or was cancelled, or its failure rolled back (compensated) what it did."""
         rid = parse_run_id(run_id)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(Run))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["retry_run"], {"run_id": rid, "reason": reason})
             run = await cur.fetchone()
             if run is not None:
@@ -1618,7 +1618,7 @@ class Store:
         transaction of its own; runs someone holds a lock on are skipped, not waited for."""
         async with self.pool.connection() as conn, conn.transaction():
             await conn.execute(queries["prune_set_flag"])
-            cur = conn.cursor(row_factory=class_row(PruneBatch))
+            cur = conn.cursor(row_factory=known_row(PruneBatch))
             await cur.execute(
                 queries["prune_batch"],
                 {"cutoff": cutoff, "statuses": list(statuses), "batch": batch},
@@ -1765,16 +1765,39 @@ def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
 ClaimRow = tuple[Run | None, float | None]
 
 
+T = TypeVar("T")
+
+
+def known_row(cls: type[T]) -> BaseRowFactory[T]:
+    """psycopg's class_row, from the columns ``cls`` has a field for: a column a later migration
+    added is left out (``SELECT *``, ``RETURNING *``). With class_row, a worker of the previous
+    release (or a rolled-back image) failed with a TypeError after its claim had committed, at
+    every claim, until its runs were dead-lettered."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+
+    def factory(cursor: Any) -> RowMaker[T]:
+        picks = [(i, c.name) for i, c in enumerate(cursor.description or ())
+                 if c.name in known]
+
+        def make(values: Sequence[Any]) -> T:
+            return cls(**{name: values[i] for i, name in picks})
+
+        return make
+
+    return factory
+
+
 def _claim_row(cursor: psycopg.AsyncCursor[Any]) -> Callable[[Sequence[Any]], ClaimRow]:
     """Rows of queries.sql claim_runs: the claimed run (None on the row that says only the
-    expiry) and the next foreign lease expiry."""
+    expiry) and the next foreign lease expiry. The run from its known columns (known_row)."""
     names = [c.name for c in cursor.description or ()]
-    run_names, id_at = names[:-1], names.index("id")
+    id_at = names.index("id")
+    run = known_row(Run)(cursor)
 
     def make(values: Sequence[Any]) -> ClaimRow:
         expiry = values[-1]
         if values[id_at] is None:
             return None, expiry
-        return Run(**dict(zip(run_names, values[:-1], strict=True))), expiry
+        return run(values), expiry
 
     return make
