@@ -227,16 +227,22 @@ def test_the_demo_deadline_is_one_line_exit_124_saying_what_is_left(
     assert _processes_with(pool) == []  # its workers are gone
 
 
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_the_demos_workers_removes_its_files_and_says_what_is_left(
-    database_url: str, tmp_path: Path, black_hole: int, procs: list[subprocess.Popen[str]]
+    database_url: str, tmp_path: Path, black_hole: int, procs: list[subprocess.Popen[str]],
+    sig: signal.Signals, code: int,
 ) -> None:
+    """SIGTERM (kill, timeout(1), a cancelled CI job) as Ctrl-C: it once ended the demo at once,
+    saying nothing, its temporary directory left and a worker running for ever (found by an
+    adversarial review on 2026-12-06)."""
     env = _hanging_demo_env(database_url, tmp_path, black_hole)
     demo = _agentrun(procs, ["demo", "--model", "claude-sonnet-4-5"], env, None)
     pool = _wait_for_worker(demo)
     assert _demo_dirs(tmp_path)
-    demo.send_signal(signal.SIGINT)
+    demo.send_signal(sig)
     out, err = _wait_exit(demo, 60)
-    assert demo.returncode == 130, out + err
+    assert demo.returncode == code, out + err
     lines = [ln for ln in err.splitlines() if not ln.startswith("agentrun: using the embedded")]
     assert len(lines) == 1, err
     (schema,) = _schemas(database_url)

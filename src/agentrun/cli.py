@@ -512,28 +512,40 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             return 0
         # SIGTERM ends the follow as Ctrl-C does, through the finally blocks that delete the
-        # follower row (asyncio.run cancels the task on SIGINT by itself).
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        terminated = False
-
-        def on_sigterm() -> None:
-            nonlocal terminated
-            terminated = True
-            task.cancel()
-
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-        try:
-            run = await _follow(store, rid, more)
-        except asyncio.CancelledError:
-            if not terminated:
-                raise
-            return 128 + signal.SIGTERM
-        finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+        # follower row.
+        run = await _cancelled_by_sigterm(_follow(store, rid, more))
+        if run is None:
+            return EXIT_SIGTERM
     print(_end_line(run), file=sys.stderr)
     return 0
+
+
+#: The exit code of a command SIGTERM ended (as a shell reports a process killed by it).
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+async def _cancelled_by_sigterm(work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s value, or None when SIGTERM came first: it cancels ``work`` as Ctrl-C does
+    (asyncio.run cancels the task on SIGINT by itself), so its clean-up runs."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        return None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _talks_to_kubernetes(args: argparse.Namespace) -> bool:
@@ -989,7 +1001,10 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout {args.timeout:g}: must be more than 0 seconds")
-    return await run_demo(model=args.model, deadline=args.timeout)
+    # SIGTERM (kill, timeout(1), a cancelled CI job) stops its workers and removes its files as
+    # Ctrl-C does; it once left a worker running for ever and the temporary directory behind.
+    code = await _cancelled_by_sigterm(run_demo(model=args.model, deadline=args.timeout))
+    return EXIT_SIGTERM if code is None else code
 
 
 def cmd_fake_anthropic(argv: list[str]) -> int:
