@@ -95,6 +95,18 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION public.agentrun_rollback_end_v1() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    NEW.rollback_end := CASE
+        WHEN NEW.rollback_reason IS NULL THEN NULL
+        WHEN NEW.rollback_reason LIKE 'cancelled%' THEN 'cancelled'
+        ELSE 'failed' END;
+    RETURN NEW;
+END
+$$;
+
 CREATE FUNCTION public.agentrun_tool_loss_v1() RETURNS trigger
     LANGUAGE plpgsql
     AS $_$
@@ -357,6 +369,8 @@ CREATE TRIGGER agent_run_pinned BEFORE UPDATE ON public.agent_run FOR EACH ROW W
 CREATE TRIGGER agent_run_quota_release AFTER UPDATE OF status ON public.agent_run FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.status <> 'running'::text) AND (old.k8s_namespace IS NOT NULL))) EXECUTE FUNCTION public.agentrun_quota_release();
 
 CREATE TRIGGER agent_run_quota_release_on_delete AFTER DELETE ON public.agent_run FOR EACH ROW WHEN (((old.status = 'running'::text) AND (old.k8s_namespace IS NOT NULL))) EXECUTE FUNCTION public.agentrun_quota_release();
+
+CREATE TRIGGER agent_run_rollback_end BEFORE INSERT OR UPDATE ON public.agent_run FOR EACH ROW WHEN (((new.rollback_reason IS NULL) <> (new.rollback_end IS NULL))) EXECUTE FUNCTION public.agentrun_rollback_end_v1();
 
 CREATE TRIGGER agent_run_tool_loss BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN (((old.lease_owner IS NOT NULL) AND (old.status = 'running'::text) AND (new.lease_epoch IS DISTINCT FROM old.lease_epoch))) EXECUTE FUNCTION public.agentrun_tool_loss_v1();
 
