@@ -172,3 +172,24 @@ async def test_eight_claimers_over_100_pending_runs_from_three_namespaces_never_
         assert await counters(store) == {"a": 0, "b": 0}  # exact after 100 ins and outs
     finally:
         await store.close()
+
+
+async def test_a_run_an_older_release_claimed_never_takes_the_count_below_zero(
+    store: Store, database_url: str
+) -> None:
+    """A worker of a release before 0012 claims without counting into the quota, and the
+    trigger took the run off when it left 'running': the count went below zero for good, and
+    later claims passed the quota by as many (found by an adversarial review on 2026-12-06)."""
+    await store.set_quota("ns", 1)
+    (old,) = await create(store, "ns", 1)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        # The claim of that release, as far as the quota is concerned: no count.
+        await conn.execute(
+            "UPDATE agent_run SET status = 'running', lease_owner = 'old-worker', "
+            "lease_until = now() + interval '1 minute', lease_epoch = lease_epoch + 1 "
+            "WHERE id = %s", (old.id,))
+    await store.finish(Lease(old.id, "old-worker", old.lease_epoch + 1), "succeeded",
+                       result="ok")
+    assert await counters(store) == {"ns": 0}
+    await create(store, "ns", 3)
+    assert len((await store.claim("default", "w", limit=10)).claimed) == 1  # the cap holds

@@ -90,7 +90,8 @@ CREATE FUNCTION public.agentrun_quota_release() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    UPDATE namespace_quota SET running = running - 1 WHERE namespace = OLD.k8s_namespace;
+    UPDATE namespace_quota SET running = greatest(running - 1, 0)
+     WHERE namespace = OLD.k8s_namespace;
     RETURN NULL;
 END
 $$;
