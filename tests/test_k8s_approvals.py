@@ -169,6 +169,18 @@ async def waiting_run(kube: Kube, store: Store, name: str, seq: int = 0) -> Run:
     return await store.get_run(rid)
 
 
+async def decided_then_killed(
+    kube: Kube, user: User, op: OperatorProc, manifest: dict[str, Any]
+) -> None:
+    """``user`` creates the approval once the policy is enforced; ``op``, started with the
+    operator_after_decide fault, is SIGKILLed right after recording the decision."""
+    policy_active(kube, user)
+    code, out = user.create_approval(manifest)
+    assert code == 201, out
+    await asyncio.to_thread(op.popen.wait, 30)
+    assert op.popen.returncode == -9, op.output()[-3000:]
+
+
 def approvals_of(kube: Kube) -> list[dict[str, Any]]:
     obj = kube.get(f"{AGENTRUNS}/namespaces/{kube.namespace}/{APPROVALS}") or {}
     return list(obj.get("items") or [])
@@ -442,13 +454,9 @@ async def test_an_operator_killed_right_after_the_decision_marks_it_applied_when
     first = operator(faults="operator_after_decide@0")
     kube.apply_agent(agent_manifest(requireApproval=True))
     run = await waiting_run(kube, store, "migrate")
-    policy_active(kube, alice)
-    code, out = alice.create_approval(approval("migrate", 0, "approve", alice.username,
-                                               name="go", reason="ok"))
-    assert code == 201, out
     # SIGKILLed between recording the decision and saying so in the approval's status.
-    await asyncio.to_thread(first.popen.wait, 30)
-    assert first.popen.returncode == -9, first.output()[-3000:]
+    await decided_then_killed(kube, alice, first, approval("migrate", 0, "approve",
+                                                          alice.username, name="go", reason="ok"))
     assert (await store.get_run(run.id)).status == "pending"
     assert approval_status(kube, "go")["phase"] == "Pending"
     operator()
@@ -490,12 +498,8 @@ async def test_a_wait_that_does_not_name_its_attempt_is_shown_as_the_attempt_dec
     await store.wait_for_approval(lease, "outcome unknown: drop_table timed out", call)
     await eventually(lambda: ((kube.agentrun("pay") or {}).get("status") or {}).get("phase")
                      == "waiting_approval", 15, "pay to show waiting_approval")
-    policy_active(kube, alice)
-    code, out = alice.create_approval(approval("pay", 0, "reject", alice.username,
-                                               name="stop", reason="it went out"))
-    assert code == 201, out
-    await asyncio.to_thread(first.popen.wait, 30)
-    assert first.popen.returncode == -9, first.output()[-3000:]
+    await decided_then_killed(kube, alice, first, approval("pay", 0, "reject", alice.username,
+                                                          name="stop", reason="it went out"))
     assert approval_status(kube, "stop")["call"]["attempt"] == 2
     operator()
     status = await settled(kube, "stop")

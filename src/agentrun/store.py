@@ -1010,11 +1010,10 @@ class Store:
         workers = {lease.worker for lease in leases}
         if len(workers) != 1:
             raise ValueError(f"renew_all renews the leases of one worker, not {sorted(workers)}")
-        ordered = sorted(leases, key=_lock_order)
-        params = {
+        params = {  # the statement locks the rows in id order itself (queries.sql)
             "worker": workers.pop(),
-            "run_ids": [lease.run_id for lease in ordered],
-            "epochs": [lease.epoch for lease in ordered],
+            "run_ids": [lease.run_id for lease in leases],
+            "epochs": [lease.epoch for lease in leases],
             "ttl": self.lease_ttl,
         }
         async with self.pool.connection() as conn:
@@ -1125,10 +1124,11 @@ class Store:
                     psycopg.DataError) as exc:
                 return [exc]
         worker = batch[0].lease.worker
-        # Rows locked in the order the heartbeat locks them (renew_all): in their own orders, a
-        # batch and the same worker's renewal of the same runs deadlocked, and PostgreSQL failed
-        # the whole batch.
-        ordered = sorted(batch, key=lambda a: _lock_order(a.lease))
+        # Rows in id order, the order the heartbeat locks them (renew_leases): in their own
+        # orders, a batch and the same worker's renewal of the same runs deadlocked, and
+        # PostgreSQL failed the whole batch. (The statement reads them by primary key, in that
+        # order too; the sorted arrays keep it for a plan that follows the unnest.)
+        ordered = sorted(batch, key=lambda a: a.lease.run_id)
         params = {
             "worker": worker,
             "run_ids": [a.lease.run_id for a in ordered],
@@ -1736,12 +1736,6 @@ def _waited_on(row: dict[str, Any]) -> dict[str, Any] | None:
 #: What PostgreSQL fails a statement with to break a deadlock or a serialization conflict: the
 #: statement applied nothing, so sending it again is safe.
 ROLLED_BACK = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
-
-
-def _lock_order(lease: Lease) -> UUID:
-    """The order every multi-run statement of a worker locks its runs in (the heartbeat's, a
-    group commit's batch): one order, so two of them can never wait on each other."""
-    return lease.run_id
 
 
 def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
