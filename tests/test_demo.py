@@ -253,3 +253,21 @@ def test_ctrl_c_stops_the_demos_workers_removes_its_files_and_says_what_is_left(
     assert "Traceback" not in out + err
     assert _demo_dirs(tmp_path) == []
     assert _processes_with(pool) == []
+
+
+def test_a_sigkilled_demo_takes_its_workers_with_it(
+    database_url: str, tmp_path: Path, black_hole: int, procs: list[subprocess.Popen[str]]
+) -> None:
+    """``kill -9`` (or the OOM killer) gives the demo no chance to stop its workers: they were
+    left idling in the demo's pool for ever, holding connections. The kernel now SIGTERMs each
+    worker when the demo dies (PR_SET_PDEATHSIG); procs kills the group if it does not."""
+    env = _hanging_demo_env(database_url, tmp_path, black_hole)
+    demo = _agentrun(procs, ["demo", "--model", "claude-sonnet-4-5"], env, None)
+    pool = _wait_for_worker(demo)
+    workers = _processes_with(pool)
+    demo.send_signal(signal.SIGKILL)  # the demo alone, not its process group
+    demo.wait()
+    deadline = time.monotonic() + 60  # a bound for a failing test, not a timing
+    while _processes_with(pool):
+        assert time.monotonic() < deadline, f"the demo's workers {workers} outlived it"
+        time.sleep(0.05)
