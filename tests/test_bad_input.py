@@ -46,6 +46,10 @@ WORKER_CASES = [
     # A lease past year 9999 was committed, then unreadable: the worker died, the run was wedged.
     (["--lease-ttl", "1e12"], "--lease-ttl 1000000000000.0 (AGENTRUN_LEASE_TTL): must be from 1 "
                               "to 86400"),
+    # An unknown outcome's wait (the old lease's end plus this) overflowed the calendar at every
+    # claim of the run, until it was dead-lettered.
+    (["--tool-timeout", "1e12"], "--tool-timeout 1000000000000.0 (AGENTRUN_TOOL_TIMEOUT): must be "
+                                 "more than 0 and at most 604800"),
     (["--poll-interval", "0"], "--poll-interval 0.0 (AGENTRUN_POLL_INTERVAL): must be more"),
     (["--idle-interval", "0"], "--idle-interval 0.0 (AGENTRUN_IDLE_INTERVAL): must be more"),
     (["--drain-grace", "-1"], "--drain-grace -1.0 (AGENTRUN_DRAIN_GRACE): must be 0 or more"),

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from agentrun.tools import MAX_TOOL_TIMEOUT
 from agentrun.worker.settings import MAX_LEASE_TTL, WorkerSettings
 
 VALUES = Path(__file__).resolve().parent.parent / "charts" / "agentrun" / "values.yaml"
@@ -49,6 +50,13 @@ def test_the_chart_bounds_the_lease_ttl_as_the_worker_does() -> None:
     bounds = [node["maximum"] for node in _walk(schema) if isinstance(node, dict)
               and node.get("description", "").startswith("Lease time-to-live")]
     assert bounds and set(bounds) == {MAX_LEASE_TTL}
+
+
+def test_the_chart_bounds_the_tool_timeout_as_the_worker_does() -> None:
+    schema = json.loads((VALUES.parent / "values.schema.json").read_text())
+    tool = schema["properties"]["workers"]["properties"]["poolDefaults"]["properties"][
+        "toolTimeoutSeconds"]
+    assert tool["maximum"] == MAX_TOOL_TIMEOUT
 
 
 def _walk(node: Any) -> Iterator[Any]:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 import agentrun
 from agentrun import tools
 from agentrun.tools import (
+    MAX_TOOL_TIMEOUT,
     ToolContext,
     ToolDefinitionError,
     ToolError,
@@ -648,7 +649,8 @@ async def test_a_sync_tool_runs_in_a_daemon_thread(reg: ToolRegistry) -> None:
     assert out.content == "tool-where-run-1 daemon=True"
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("inf"), "5", True])
+# 1e12: an unknown outcome's wait, the old lease's end plus the timeout, overflowed the calendar.
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), 1e12, MAX_TOOL_TIMEOUT + 1, "5", True])
 def test_a_timeout_must_be_a_positive_number(reg: ToolRegistry, bad: Any) -> None:
     def slow(ctx: ToolContext) -> str:
         return ""
@@ -656,6 +658,7 @@ def test_a_timeout_must_be_a_positive_number(reg: ToolRegistry, bad: Any) -> Non
     with pytest.raises(ToolDefinitionError, match="timeout must be a positive number of seconds"):
         spec_of(reg, slow, timeout=bad)
     assert spec_of(reg, slow, timeout=2).timeout == 2.0
+    assert spec_of(reg, slow, timeout=MAX_TOOL_TIMEOUT).timeout == MAX_TOOL_TIMEOUT
 
 
 # -------------------------------------------------------------------------------------- inline

@@ -30,7 +30,7 @@ from agentrun.logs import POD_NAME_ENV
 from agentrun.manifests import pool_problem
 from agentrun.pricing import BUILT_IN, PriceTable, load_prices
 from agentrun.store import DEFAULT_LEASE_TTL
-from agentrun.tools import DEFAULT_TOOL_TIMEOUT
+from agentrun.tools import DEFAULT_TOOL_TIMEOUT, MAX_TOOL_TIMEOUT
 from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 
 MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
@@ -186,10 +186,11 @@ def check_settings(s: WorkerSettings) -> None:
         raise bad("--model-deadline", s.retry.deadline,
                   f"must be more than 0 (seconds one model call may take; default "
                   f"{DEFAULT_MODEL_DEADLINE:g})")
-    if not (finite(s.tool_timeout) and s.tool_timeout > 0):
+    if not (finite(s.tool_timeout) and 0 < s.tool_timeout <= MAX_TOOL_TIMEOUT):
         raise bad("--tool-timeout", s.tool_timeout,
-                  f"must be more than 0 (seconds a tool call may take unless it declares "
-                  f"@tool(timeout=...); default {DEFAULT_TOOL_TIMEOUT:g})")
+                  f"must be more than 0 and at most {MAX_TOOL_TIMEOUT} (a week; seconds a tool "
+                  f"call may take unless it declares @tool(timeout=...); default "
+                  f"{DEFAULT_TOOL_TIMEOUT:g})")
     if s.model_transport not in MODEL_TRANSPORTS:
         raise bad("--model-transport", repr(s.model_transport),
                   f"choose {' or '.join(MODEL_TRANSPORTS)} (the first-party API's HTTP "

@@ -96,6 +96,10 @@ Disposition = Literal["retry", "result", "abort"]
 # How long the worker waits for a tool call that declares no ``timeout`` (the worker's
 # --tool-timeout / AGENTRUN_TOOL_TIMEOUT overrides it).
 DEFAULT_TOOL_TIMEOUT = 300.0
+#: The longest a tool call may be given (a week; values.schema.json's toolTimeoutSeconds maximum):
+#: an unknown outcome is waited out until the old lease's end plus the timeout, a date that must
+#: stay representable (1e12 s overflowed it at every claim, and the run was dead-lettered).
+MAX_TOOL_TIMEOUT = 604_800
 
 _TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _SPEC_ATTR = "__agentrun_tool__"
@@ -498,10 +502,11 @@ class ToolSpec:
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
-            or not 0 < timeout < float("inf")
+            or not 0 < timeout <= MAX_TOOL_TIMEOUT
         ):
             raise ToolDefinitionError(
-                f"tool {label}: timeout must be a positive number of seconds, got {timeout!r}"
+                f"tool {label}: timeout must be a positive number of seconds up to "
+                f"{MAX_TOOL_TIMEOUT} (a week), got {timeout!r}"
             )
         if inline:
             _check_inline(label, fn, tool_kind, compensate)
