@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from agentrun.cli_format import printable
 from agentrun.operator.api import TERMINAL_REASONS, AgentRunStatus, CondType, Reason
 from agentrun.store import Quota, Run
 
@@ -40,7 +41,10 @@ def truncate(text: str | None, limit: int) -> str | None:
 
 
 def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
-    return truncate(" ".join(text.split()), limit) or ""
+    """``text`` on one line for a status message or an Event, with what a terminal would act
+    on escaped: ``kubectl get`` and ``describe`` print them as they are, and a run's error or
+    a rollback's reason carries a tool's or a person's text."""
+    return truncate(printable(" ".join(text.split())), limit) or ""
 
 
 def summarise_arguments(args: Any, limit: int = 200) -> str:

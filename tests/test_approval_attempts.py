@@ -28,6 +28,7 @@ from agentrun.worker.executor import RunExecutor, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
 from agentrun.worker.settings import RetryPolicy
+from tests.workerkit import unnamed_attempt_wait
 
 TOOLS = ToolRegistry()
 RELEASE = threading.Event()  # set at the end of each test: the hung calls' threads return
@@ -122,18 +123,7 @@ async def test_a_wait_that_does_not_name_its_attempt_is_decided_for_its_intents(
 ) -> None:
     """A timeout's wait written by a worker from before the fix (no attempt in it), on a re-run:
     the decision goes to the attempt the intent counts, not to attempt 1."""
-    run, _ = await store.create_run("pay 100", AGENT)
-    _, lease = await claim(store, "w1")
-    await store.record_effect(lease, 0, 0, key="k", tool="wire_money",
-                              tool_kind="irreversible", state="intent")
-    pending = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 100},
-               "stage": "outcome_unknown"}
-    await store.wait_for_approval(lease, "outcome unknown", {**pending, "attempt": 1})
-    await store.decide(run.id, 0, "approved", decided_by="alice")
-    _, lease = await claim(store, "w2")
-    assert await store.retry_intent(lease, 0, 0, 1) == 2
-    await store.wait_for_approval(lease, "outcome unknown: wire_money (step 0) timed out", pending)
-
+    run = await unnamed_attempt_wait(store)
     decided = await store.decide(run.id, 0, "rejected", decided_by="bob")
     assert decided["attempt"] == 2
     assert await approvals(store) == [

@@ -12,6 +12,7 @@ import pytest
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
+from agentrun.operator.status import one_line
 from agentrun.store import Store
 from tests.conftest import run_cli
 
@@ -160,6 +161,34 @@ async def test_model_and_tool_text_reaches_no_terminal_as_escape_sequences(
         shown = proc.stdout + proc.stderr
         assert not any(c in shown for c in "\x1b\x07\x9b"), (args, shown)
         assert "\\x1b[2J" in shown or "\\u001b[2J" in shown, (args, shown)
+
+
+async def test_a_rollbacks_reason_reaches_no_terminal_as_escape_sequences(
+    database_url: str, store: Store
+) -> None:
+    """A rollback's reason carries a person's or a tool's text: `cancel` of a run rolling back
+    and `retry` of one dead-lettered mid-rollback printed it with its ESC and BEL bytes (found by
+    an adversarial review on 2026-12-06, after every other view of a run was escaped)."""
+    run, _ = await store.create_run("t", AgentSpec(model="m"))
+    await store.claim(run.pool, "w1")
+    await store.request_rollback(run.id, "cancelled", "plans " + ESCAPES)
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    cancel = run_cli("cancel", str(run.id), env=env)
+    assert cancel.returncode == 1 and "is rolling back" in cancel.stderr, cancel.stderr
+    async with store.pool.connection() as conn:  # what a worker that gave up mid-rollback leaves
+        await conn.execute("UPDATE agent_run SET status = 'dead_letter', finished_at = now(), "
+                           "lease_owner = NULL, lease_until = NULL WHERE id = %s", (run.id,))
+    retry = run_cli("retry", str(run.id), "--reason", "again " + ESCAPES, env=env)
+    assert retry.returncode == 0 and "resumes its rollback" in retry.stdout, retry.stderr
+    for shown in (cancel.stdout + cancel.stderr, retry.stdout + retry.stderr):
+        assert not any(c in shown for c in "\x1b\x07\x9b"), shown
+        assert "\\x1b[2J" in shown, shown
+
+
+def test_operator_messages_and_events_reach_no_terminal_as_escape_sequences() -> None:
+    """``kubectl get agentruns`` and ``describe`` print a status message or an Event as it is."""
+    line = one_line("tool failed: " + ESCAPES, 1000)
+    assert not any(c in line for c in "\x1b\x07\x9b") and "\\x1b[2J" in line, line
 
 
 @pytest.mark.parametrize(

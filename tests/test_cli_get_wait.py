@@ -20,7 +20,14 @@ import yaml
 from agentrun.manifests import BudgetSpec
 from agentrun.store import K8sRef, Store
 from tests.conftest import listeners, run_cli
-from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, wait_for
+from tests.workerkit import (
+    AGENT,
+    FakeFactory,
+    Workers,
+    echo_scenario,
+    unnamed_attempt_wait,
+    wait_for,
+)
 
 # The exit codes of agentrun wait and submit --wait are a contract (docs/cli.md): literals here.
 
@@ -184,6 +191,24 @@ def test_wait_timeout_on_a_run_that_never_ends_exits_124(
     assert res.returncode == 2 and "invalid choice: 'done'" in res.stderr
     res = run_cli("wait", "3f1e2b7a-0000-4000-8000-000000000000", "--timeout", "600", env=env)
     assert res.returncode == 1 and "no run with id" in res.stderr
+
+
+async def test_get_and_reject_name_the_attempt_of_a_wait_that_does_not_name_it(
+    database_url: str, store: Store
+) -> None:
+    """A timeout's wait written by a worker of an earlier release names no attempt: decide
+    records the one the intent counts (attempt 2 here), and `get` said "attempt 1" and `reject`
+    printed it too (found by an adversarial review on 2026-12-06)."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    run = await unnamed_attempt_wait(store)
+
+    got = run_cli("get", str(run.id), env=env)
+    assert got.returncode == 0, got.stderr
+    assert "wire_money (outcome unknown, attempt 2): agentrun approve" in got.stdout, got.stdout
+    rejected = run_cli("reject", str(run.id), "0", "--by", "bob", env=env)
+    assert rejected.returncode == 0, rejected.stderr
+    said = rejected.stdout
+    assert "(step 0, outcome unknown, attempt 2) rejected by bob" in said, said
 
 
 async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(

@@ -228,19 +228,21 @@ FOLLOW_RESYNC = 5.0
 FOLLOW_LEASE_ENV = "AGENTRUN_FOLLOW_LEASE"
 
 
-def _print_run(run: Run, output: str) -> None:
+def _print_run(run: Run, output: str, waited_on: dict[str, Any] | None = None) -> None:
     if output == "json":
         print(json.dumps(run_to_json(run), indent=2))
     elif output == "yaml":
         print(to_yaml(run_to_json(run)))
     else:
-        print(describe_run(run, full=output == "wide"))
+        print(describe_run(run, full=output == "wide", waited_on=waited_on))
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
         run = await store.get_run(args.run)  # RunNotFound for an unknown id
-    _print_run(run, args.output)
+        # The attempt `approve` would decide, as decide reads it (a wait may not name it).
+        waited_on = await store.waited_on(run.id) if run.status == "waiting_approval" else None
+    _print_run(run, args.output, waited_on)
     return 0
 
 
@@ -570,7 +572,7 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
         outcome = await kube.decide(args.run, args.seq, decision, reason=args.reason,
                                     timeout=args.timeout)
     print(f"agentrunapproval/{outcome.name} in {outcome.namespace}: {outcome.phase}: "
-          f"{outcome.message}")
+          f"{printable(outcome.message)}")
     return 0
 
 
@@ -592,7 +594,7 @@ async def cmd_decide(args: argparse.Namespace) -> int:
         return 0
     stage = str(call["stage"]).replace("_", " ")
     if call["stage"] == "outcome_unknown":  # each decision is about one attempt of the call
-        stage += f", attempt {int(call.get('attempt') or 1)}"
+        stage += f", attempt {int(call['attempt'])}"  # the one decide recorded
     print(
         f"run {args.run}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
         "the run resumes on the next claim"
@@ -614,8 +616,8 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         return 0
     if run.rolling_back:
         print(
-            f"run {run.id} is rolling back ({run.rollback_reason}); a cancel does not interrupt "
-            "a rollback: its compensations run, then it ends",
+            f"run {run.id} is rolling back ({printable(run.rollback_reason or '')}); a cancel "
+            "does not interrupt a rollback: its compensations run, then it ends",
             file=sys.stderr,
         )
         return 1
@@ -629,8 +631,9 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 async def cmd_retry(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
         run = await store.retry(args.run, reason=args.reason)  # ConfigError: refused, exit 2
-    print(f"run {run.id}: retry {run.retries} ({run.retry_reason or 'no reason given'}); "
-          f"{run.retried_as()}")
+    # The reasons are people's and tools' text: escaped, as every other view of a run shows them.
+    print(printable(f"run {run.id}: retry {run.retries} ({run.retry_reason or 'no reason given'}); "
+                    f"{run.retried_as()}"))
     return 0
 
 

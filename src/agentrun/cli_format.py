@@ -124,9 +124,12 @@ def to_yaml(value: Any) -> str:
     return text.rstrip("\n")
 
 
-def pending_text(run: Run) -> str | None:
-    """The approval a waiting run needs, with the command that gives it (None: none)."""
-    call = run.pending_call
+def pending_text(run: Run, waited_on: dict[str, Any] | None = None) -> str | None:
+    """The approval a waiting run needs, with the command that gives it (None: none).
+    ``waited_on``: the call as :meth:`Store.waited_on` reads it, with the attempt a decision
+    would be recorded against (a wait an older worker wrote may not name it: the intent's
+    attempt counts then, not the first)."""
+    call = waited_on or run.pending_call
     if run.status != "waiting_approval" or not call:
         return None
     seq = call.get("seq")
@@ -139,9 +142,11 @@ def pending_text(run: Run) -> str | None:
     )
 
 
-def describe_run(run: Run, *, full: bool = False) -> str:
+def describe_run(
+    run: Run, *, full: bool = False, waited_on: dict[str, Any] | None = None
+) -> str:
     """``agentrun get``: one field a line. ``full`` (-o wide): the task, result and error whole,
-    not cut to one line."""
+    not cut to one line. ``waited_on``: see :func:`pending_text`."""
 
     def text(value: str | None) -> str:
         if value is None:
@@ -178,7 +183,7 @@ def describe_run(run: Run, *, full: bool = False) -> str:
         ("budget", budget_text(run)),
         ("worker", holder),
         ("waiting", text(run.wait_reason) if run.wait_reason else "-"),
-        ("approval", pending_text(run) or "-"),
+        ("approval", pending_text(run, waited_on) or "-"),
         ("rollback", text(run.rollback_reason) if run.rollback_reason else "-"),
         ("error", text(run.error)),
         ("result", text(run.result)),
