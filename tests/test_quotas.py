@@ -13,6 +13,7 @@ from collections import Counter
 
 import psycopg
 
+from agentrun.migrations import migrate
 from agentrun.store import Lease, ManifestName, Run, Store
 from tests.workerkit import AGENT
 
@@ -193,3 +194,31 @@ async def test_a_run_an_older_release_claimed_never_takes_the_count_below_zero(
     assert await counters(store) == {"ns": 0}
     await create(store, "ns", 3)
     assert len((await store.claim("default", "w", limit=10)).claimed) == 1  # the cap holds
+
+
+async def test_migration_0021_recounts_a_count_older_releases_took_below_zero(
+    store: Store, database_url: str
+) -> None:
+    """0020 floors releases at zero from then on, but a count already below zero stayed: a
+    namespace paused at 0 whose count was -3 was handed 3 runs, then read 0 with 3 running
+    (found by an adversarial review on 2026-12-06). 0021 recounts every row once."""
+    await store.set_quota("paused", 0)
+    await store.set_quota("busy", 2)
+    (uncounted,) = await create(store, "busy", 1)
+    await create(store, "paused", 5)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        # What releases before 0012 and 0020 left: a count below zero, and a run a worker of
+        # the old release claimed without counting it.
+        await conn.execute("UPDATE namespace_quota SET running = -3 WHERE namespace = 'paused'")
+        await conn.execute(
+            "UPDATE agent_run SET status = 'running', lease_owner = 'old-worker', "
+            "lease_until = now() + interval '1 minute', lease_epoch = lease_epoch + 1 "
+            "WHERE id = %s", (uncounted.id,))
+        # The database as it was at version 20, then the upgrade.
+        await conn.execute("DELETE FROM agentrun_migration WHERE version = 21")
+        assert (await migrate(conn)).applied == [21]
+    assert await counters(store) == {"paused": 0, "busy": 1}
+    assert (await store.claim("default", "w", limit=10)).claimed == []  # paused stays paused
+    await create(store, "busy", 3)
+    assert len((await store.claim("default", "w", limit=10)).claimed) == 1  # 1 of 2 was running
+    assert await counters(store) == {"paused": 0, "busy": 2}
