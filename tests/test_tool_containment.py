@@ -128,6 +128,41 @@ async def test_a_tool_that_kills_its_worker_is_blamed_and_its_neighbours_lose_no
     assert ok.attempt == 1  # three worker deaths that were not its doing did not count
 
 
+
+async def test_a_compensation_that_kills_its_worker_is_blamed_and_spares_its_neighbours(
+    store: Store, workers: Workers, fake: FakeFactory
+) -> None:
+    # The killer holds an item, then the model refuses: the run fails, and its rollback calls
+    # hold's compensation, which calls os._exit, on every claim. Its neighbour is in a slow
+    # model call on the same worker each time (as in the test above).
+    scenario = calls(("echo", {"text": "hi"}), delay_ms={"echo": 4000})
+    scenario["scripts"].append({
+        "name": "saga",
+        "match": "use hold.",
+        "turns": [
+            {"content": [{"tool_use": {"name": "hold", "input": {"item": "seat"}}}]},
+            {"stop_reason": "refusal", "content": [{"text": "no"}]},
+        ],
+    })
+    srv = fake(scenario)
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    killer, _ = await store.create_run("use hold.", agent("hold"), max_attempts=2)
+    neighbour, _ = await store.create_run("use echo.", agent("echo"), max_attempts=2)
+    for name in ("w1", "w2", "w3"):  # as above: the first claim committed steps, two did not
+        w = workers.start(name, tools=TOOLS, extra=["--concurrency", "2"])
+        assert w.wait(60) == 7, w.output()[-2000:]
+    workers.start("w4", tools=TOOLS, extra=["--concurrency", "2"])
+    dead = await wait_run(store, killer.id, lambda r: r.finished, 30)
+    assert dead.status == "dead_letter"
+    assert dead.error is not None and dead.error.endswith(
+        "last error: worker w3 died or stopped responding while tool unhold_by_exit "
+        "(step 0, call 0) was running"
+    ), dead.error
+    ok = await wait_run(store, neighbour.id, lambda r: r.finished, 30)
+    assert ok.status == "succeeded", ok.error
+    assert ok.attempt == 1  # three deaths in another run's compensation did not count
+
+
 async def test_a_call_past_its_timeout_is_a_failed_call(
     store: Store, workers: Workers, fake: FakeFactory
 ) -> None:

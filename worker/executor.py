@@ -545,7 +545,16 @@ class RunExecutor:
             what = f"{effect.compensate} for {effect.tool} (step {effect.seq})"
             # Fenced and bounded as every call is: a hung compensation held the run for the
             # whole progress budget on every claim, and its ctx.lease_valid() was always True.
+            # Marked as every call is (_call), live until its compensation step lands at seq: a
+            # compensation that takes its worker down (os._exit, a segfault) is blamed on this
+            # run. Unmarked, the death was a plain one: this run's error said nothing, and the
+            # runs sharing the worker each lost an attempt to it, until they dead-lettered.
             self._refuse_if_lost(h, effect.compensate)
+            sent = time.monotonic()
+            await self.store.begin_tool_call(
+                h.lease, self._mark(h, spec, effect.seq, effect.call_index, step=seq))
+            self._committed(h, sent)
+            self._refuse_if_lost(h, effect.compensate)  # stopped since the write?
             try:
                 with h.progress.working(f"tool {effect.compensate}",
                                         deadline=time.monotonic() + self._timeout(spec)):
@@ -591,11 +600,14 @@ class RunExecutor:
             return None
         return self._mark(h, spec, turn_seq, 0)
 
-    def _mark(self, h: RunHandle, spec: ToolSpec, seq: int, index: int) -> dict[str, Any]:
+    def _mark(self, h: RunHandle, spec: ToolSpec, seq: int, index: int,
+              step: int | None = None) -> dict[str, Any]:
         """The mark of a call (queries.sql begin_tool_call), read by the next claim if this
-        worker dies inside the call."""
+        worker dies inside the call: the call of turn ``seq``, ``index``, whose outcome the step
+        ``step`` records (default: the turn's results, seq + 1)."""
         return {"worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
-                "seq": seq, "call_index": index, "step": seq + 1, "timeout": self._timeout(spec)}
+                "seq": seq, "call_index": index, "step": seq + 1 if step is None else step,
+                "timeout": self._timeout(spec)}
 
     def _count_retry(self, reason: str) -> None:
         self.metrics.model_retries.labels(reason).inc()

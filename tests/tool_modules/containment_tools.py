@@ -66,3 +66,15 @@ def hang_irreversible(ctx: ToolContext) -> str:
     """An irreversible call that never returns (the worker's --tool-timeout applies)."""
     threading.Event().wait()
     return "never"
+
+
+@tool(kind="idempotent", compensate="unhold_by_exit")
+def hold(ctx: ToolContext, item: str) -> str:
+    """Hold an item; its compensation takes the worker down."""
+    return f"held {item}"
+
+
+@tool(kind="idempotent")
+def unhold_by_exit(ctx: ToolContext, item: str) -> str:
+    """The compensation of hold: it kills its worker (os._exit) instead of releasing."""
+    os._exit(7)
