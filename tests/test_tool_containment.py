@@ -107,7 +107,16 @@ async def test_a_tool_that_kills_its_worker_is_blamed_and_its_neighbours_lose_no
         )
     )
     workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
-    killer, _ = await store.create_run("use quit_worker.", agent("quit_worker"), max_attempts=2)
+    await killed_three_times(store, workers, "use quit_worker.", "quit_worker", "quit_worker")
+
+
+async def killed_three_times(
+    store: Store, workers: Workers, task: str, tool: str, culprit: str
+) -> None:
+    """The killer run (``task``, granted ``tool``) takes each worker down in ``culprit`` beside
+    its neighbour ("use echo.", in a slow model call on the same worker): it is blamed and
+    dead-lettered, the neighbour loses no attempt."""
+    killer, _ = await store.create_run(task, agent(tool), max_attempts=2)
     neighbour, _ = await store.create_run("use echo.", agent("echo"), max_attempts=2)
     # Three deaths: the first claim committed the killer's model turn, which restores its
     # attempt budget once (a run that progresses is not a poison run); the next two committed
@@ -120,7 +129,7 @@ async def test_a_tool_that_kills_its_worker_is_blamed_and_its_neighbours_lose_no
     assert dead.status == "dead_letter"
     # The dead letter names the death that ended it: the last worker the tool took down.
     assert dead.error is not None and dead.error.endswith(
-        "last error: worker w3 died or stopped responding while tool quit_worker "
+        f"last error: worker w3 died or stopped responding while tool {culprit} "
         "(step 0, call 0) was running"
     ), dead.error
     ok = await wait_run(store, neighbour.id, lambda r: r.finished, 30)
@@ -146,21 +155,7 @@ async def test_a_compensation_that_kills_its_worker_is_blamed_and_spares_its_nei
     })
     srv = fake(scenario)
     workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
-    killer, _ = await store.create_run("use hold.", agent("hold"), max_attempts=2)
-    neighbour, _ = await store.create_run("use echo.", agent("echo"), max_attempts=2)
-    for name in ("w1", "w2", "w3"):  # as above: the first claim committed steps, two did not
-        w = workers.start(name, tools=TOOLS, extra=["--concurrency", "2"])
-        assert w.wait(60) == 7, w.output()[-2000:]
-    workers.start("w4", tools=TOOLS, extra=["--concurrency", "2"])
-    dead = await wait_run(store, killer.id, lambda r: r.finished, 30)
-    assert dead.status == "dead_letter"
-    assert dead.error is not None and dead.error.endswith(
-        "last error: worker w3 died or stopped responding while tool unhold_by_exit "
-        "(step 0, call 0) was running"
-    ), dead.error
-    ok = await wait_run(store, neighbour.id, lambda r: r.finished, 30)
-    assert ok.status == "succeeded", ok.error
-    assert ok.attempt == 1  # three deaths in another run's compensation did not count
+    await killed_three_times(store, workers, "use hold.", "hold", "unhold_by_exit")
 
 
 async def test_a_call_past_its_timeout_is_a_failed_call(
