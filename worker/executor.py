@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from agentrun.errors import LeaseLost
+from agentrun.errors import LeaseLost, RollbackRequested
 from agentrun.faults import crash_point
 from agentrun.pricing import BUILT_IN, PriceTable
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
@@ -389,7 +389,15 @@ class RunExecutor:
                         continue
                     pending = asyncio.create_task(results, name=f"commit seq {seq - 1}")
                 elif stop in ("end_turn", "stop_sequence"):
-                    await self.store.finish(h.lease, "succeeded", result=final_text(last[1]))
+                    try:
+                        await self.store.finish(h.lease, "succeeded",
+                                                result=final_text(last[1]))
+                    except RollbackRequested:
+                        # Asked for while this worker was not listening (its notification was
+                        # lost with the connection): the run rolls back, as if heard in time.
+                        log.warning("a rollback was requested: rolling back, not succeeding")
+                        await self.abort(h)
+                        return None
                     self.metrics.runs_finished.labels("succeeded").inc()
                     log.info("succeeded after %d steps", seq)
                     return None

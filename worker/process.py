@@ -250,6 +250,9 @@ class Worker:
         #: LISTEN is in place now (False while the listener reconnects): the claim loop may
         #: sleep up to the idle interval rather than the poll interval.
         self._listener_up = False
+        #: The recheck of the held runs once LISTEN is back after a lost connection (a task kept
+        #: here so that it is not collected while it runs).
+        self._recheck: asyncio.Task[None] | None = None
         #: While a claim is in flight: what was heard of runs this worker does not hold yet (a
         #: run the claim takes may be cancelled before its answer is back); None otherwise.
         self._heard_while_claiming: dict[UUID, dict[str, object]] | None = None
@@ -790,6 +793,11 @@ class Worker:
     def _on_listening(self) -> None:
         if not self._listening.is_set():
             log.info("listening for notifications")
+        elif self.active:
+            # LISTEN is back after a lost connection: what changed meanwhile on a held run (a
+            # cancel, a rollback asked for) was notified to nobody. Read once now that nothing
+            # more can be missed; read before the LISTEN, a change between the two was lost.
+            self._recheck = asyncio.get_running_loop().create_task(self._recheck_held_runs())
         self._listening.set()
         self._listener_up = True
         self._wake.set()  # claim once now: a run may have become claimable while not listening
@@ -823,7 +831,6 @@ class Worker:
             self._wake.set()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
-            await self._recheck_held_runs()
 
     def _on_run_changed(self, event: dict[str, object]) -> None:
         """A held run's row changed (payload: migration 0002's agentrun_notify_run_v2).
@@ -860,8 +867,10 @@ class Worker:
         if not self.active:
             return
         with contextlib.suppress(*DB_ERRORS):
-            for rid, (status, epoch) in (await self.store.run_statuses(list(self.active))).items():
-                self._on_run_changed({"id": rid, "status": status, "epoch": epoch})
+            statuses = await self.store.run_statuses(list(self.active))
+            for rid, (status, epoch, rollback) in statuses.items():
+                self._on_run_changed(
+                    {"id": rid, "status": status, "epoch": epoch, "rollback": rollback})
 
 
 async def exit_past_lingering_threads(code: int) -> None:

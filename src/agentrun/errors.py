@@ -56,6 +56,15 @@ class RunCancelled(LeaseLost):
         self.detail = "cancelled"
 
 
+class RollbackRequested(AgentrunError):
+    """The run may not succeed: a rollback was asked for (cancel --rollback, reject --abort) that
+    its holder had not heard of. Nothing was written; the holder rolls the run back."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id}: a rollback was requested")
+        self.run_id = run_id
+
+
 class DuplicateStep(AgentrunError):
     """(run_id, seq) already exists: another writer got there first."""
 

@@ -58,6 +58,7 @@ from agentrun.errors import (
     DatabaseUnavailable,
     DuplicateStep,
     LeaseLost,
+    RollbackRequested,
     RunCancelled,
     RunNotFound,
 )
@@ -1196,10 +1197,12 @@ class Store:
         """Give the claim up, keeping the attempt spent (see queries.sql abandon_run)."""
         return await self._fenced("abandon_run", lease, required=False, error=error) is not None
 
-    async def run_statuses(self, ids: Sequence[UUID]) -> dict[UUID, tuple[str, int]]:
+    async def run_statuses(self, ids: Sequence[UUID]) -> dict[UUID, tuple[str, int, bool]]:
+        """Each run's status, epoch and whether a rollback was asked for."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["run_statuses"], {"ids": list(ids)})
-            return {rid: (status, epoch) for rid, status, epoch in await cur.fetchall()}
+            return {rid: (status, epoch, rollback)
+                    for rid, status, epoch, rollback in await cur.fetchall()}
 
     async def finish(
         self,
@@ -1209,6 +1212,8 @@ class Store:
         result: str | None = None,
         error: str | None = None,
     ) -> None:
+        """End the run (fenced). Raises :class:`RollbackRequested`, writing nothing, for a
+        ``succeeded`` while a rollback was asked for: the caller rolls back instead."""
         await self._fenced("finish_run", lease, status=status, result=result, error=error)
 
     async def cancel(self, run_id: str | UUID, reason: str | None = None) -> tuple[Run, bool]:
@@ -1333,7 +1338,8 @@ class Store:
         if row is None:
             async with self.pool.connection() as conn:
                 cur = await conn.execute(queries["fence_state"], {"run_id": lease.run_id})
-                if tuple(await cur.fetchone() or ()) != ("running", lease.worker, lease.epoch):
+                state = tuple(await cur.fetchone() or ())[:3]  # status, owner, epoch
+                if state != ("running", lease.worker, lease.epoch):
                     raise await self._fence_error(conn, lease)
             # Held, yet the intent is not at that attempt any more: this claim read a stale
             # effect and must not call the tool on its strength.
@@ -1746,6 +1752,10 @@ def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
         return RunNotFound(rid)
     if row["status"] == "cancelled":
         return RunCancelled(rid)
+    if (row["status"] == "running" and row.get("rollback")
+            and (row["lease_owner"], row["lease_epoch"]) == (lease.worker, lease.epoch)):
+        # Still this lease's, so only finish_run's rollback guard can have refused it.
+        return RollbackRequested(rid)
     if row["lease_epoch"] != lease.epoch:
         return LeaseLost(
             rid,

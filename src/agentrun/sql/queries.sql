@@ -340,11 +340,16 @@ RETURNING id;
 
 -- finish_run --
 -- A run's terminal status, result and error, its lease given up. Fenced.
+-- Never 'succeeded' once a rollback was asked for (cancel --rollback, reject --abort): the holder
+-- hears of the request by notification, and one sent while its LISTEN connection was down never
+-- arrived, so the run ended succeeded with its effects in place and the request left unanswered.
+-- Matching nothing here, the holder reads why (fence_state) and rolls back instead.
 UPDATE agent_run
    SET status = %(status)s, result = %(result)s, error = %(error)s,
        lease_owner = NULL, lease_until = NULL, finished_at = now()
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
+   AND (%(status)s::text <> 'succeeded' OR rollback_reason IS NULL)
 RETURNING id;
 
 -- cancel_run --
@@ -363,7 +368,8 @@ RETURNING *;
 
 -- fence_state --
 -- Only read after a fenced statement matched nothing, to say why.
-SELECT status, lease_owner, lease_epoch FROM agent_run WHERE id = %(run_id)s;
+SELECT status, lease_owner, lease_epoch, rollback_reason IS NOT NULL AS rollback
+  FROM agent_run WHERE id = %(run_id)s;
 
 -- fence_states --
 -- fence_state of several runs at once: after renew_leases left some out.
@@ -453,8 +459,10 @@ UPDATE agent_run
 RETURNING id;
 
 -- run_statuses --
--- Status and epoch of several runs at once (a worker checking the runs it holds).
-SELECT id, status, lease_epoch FROM agent_run WHERE id = ANY(%(ids)s);
+-- Status, epoch and whether a rollback was asked for, of several runs at once (a worker checking
+-- the runs it holds after its LISTEN connection was back: what it may not have heard).
+SELECT id, status, lease_epoch, rollback_reason IS NOT NULL AS rollback
+  FROM agent_run WHERE id = ANY(%(ids)s);
 
 -- list_effects --
 -- The recorded tool effects of one step.
