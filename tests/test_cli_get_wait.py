@@ -173,6 +173,31 @@ async def test_wait_on_a_cancelled_run_exits_5(
     assert out.strip() == f"run {rid} cancelled: not today"
 
 
+async def test_cancel_rollback_of_a_run_rolling_back_already_says_how_it_ends(
+    tmp_path: Path, database_url: str, store: Store
+) -> None:
+    """The first request's reason and end stand: a second one, or one after a reject --abort
+    (ends failed), is not recorded and says so, exit 1. Before, both printed "rollback requested;
+    ... then it ends cancelled", exit 0, and the run ended failed with the first reason."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    rid = submit(manifest(tmp_path, "roll-back"), env)  # no worker: it stays pending
+    await store.request_rollback(rid, "failed", "rejected by bob")  # as reject --abort asks
+    res = run_cli("cancel", rid, "--rollback", "--reason", "customer cancelled", env=env)
+    assert res.returncode == 1, res.stdout
+    assert res.stderr.strip() == (
+        f"run {rid} is rolling back already (rejected by bob); its compensations run, then it "
+        "ends failed; this request was not recorded")
+    run = await store.get_run(rid)
+    assert (run.rollback_reason, run.rollback_end) == ("rejected by bob", "failed")
+    fresh = submit(manifest(tmp_path, "roll-back-2"), env)
+    first = run_cli("cancel", fresh, "--rollback", "--reason", "plans changed", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "ends cancelled" in first.stdout
+    again = run_cli("cancel", fresh, "--rollback", env=env)
+    assert again.returncode == 1 and "ends cancelled; this request was not recorded" in (
+        again.stderr), again.stderr
+
+
 def test_wait_timeout_on_a_run_that_never_ends_exits_124(
     tmp_path: Path, database_url: str
 ) -> None:

@@ -614,6 +614,14 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     if changed:
         print(f"run {run.id} cancelled")
         return 0
+    if run.rolling_back and args.rollback:
+        print(
+            f"run {run.id} is rolling back already ({printable(run.rollback_reason or '')}); "
+            f"its compensations run, then it ends {run.rollback_end or 'failed'}; this request "
+            "was not recorded",
+            file=sys.stderr,
+        )
+        return 1
     if run.rolling_back:
         print(
             f"run {run.id} is rolling back ({printable(run.rollback_reason or '')}); a cancel "

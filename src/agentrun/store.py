@@ -1421,15 +1421,21 @@ class Store:
     ) -> tuple[Run, bool]:
         """Ask for the run's compensations to run and the run to end as ``end`` (see
         queries.sql; stored beside the reason, migration 0016). Returns the run and whether the
-        request was recorded (False: already finished)."""
+        request was recorded (False: already finished, or rolling back already, on a request
+        whose reason and end stand)."""
         rid = parse_run_id(run_id)
         reason = rollback_reason(end, why)
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=known_row(Run))
+            cur = conn.cursor(row_factory=known_row_and(Run, "requested_now"))
             await cur.execute(queries["request_rollback"],
                               {"run_id": rid, "reason": reason, "end": end})
-            run = await cur.fetchone()
-        return (run, True) if run is not None else (await self.get_run(rid), False)
+            row = await cur.fetchone()
+        if row is None:
+            return await self.get_run(rid), False
+        run, requested_now = row
+        # Rolling back already: that rollback's reason and end stand, so this request is not
+        # recorded (run.rolling_back says why).
+        return run, bool(requested_now)
 
     # -- steps and depth -----------------------------------------------------------------------
 
@@ -1805,3 +1811,20 @@ def _claim_row(cursor: psycopg.AsyncCursor[Any]) -> Callable[[Sequence[Any]], Cl
         return run(values), expiry
 
     return make
+
+
+def known_row_and(cls: type[T], column: str) -> BaseRowFactory[tuple[T, Any]]:
+    """:func:`known_row`, and the value of ``column``, which the statement returns beside the
+    row's own columns."""
+    rows = known_row(cls)
+
+    def factory(cursor: Any) -> RowMaker[tuple[T, Any]]:
+        make = rows(cursor)
+        at = [c.name for c in cursor.description or ()].index(column)
+
+        def both(values: Sequence[Any]) -> tuple[T, Any]:
+            return make(values), values[at]
+
+        return both
+
+    return factory

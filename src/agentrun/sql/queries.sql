@@ -601,14 +601,23 @@ SELECT r.status, r.pending_call,
 -- tool of it may be running, and its effect must be recorded to be undone): it hears the
 -- notification and rolls back at its next commit boundary. A run nobody holds becomes claimable,
 -- and the next claim rolls it back.
-UPDATE agent_run
-   SET rollback_reason = coalesce(rollback_reason, %(reason)s),
-       rollback_end = coalesce(rollback_end, %(end)s),
-       status = CASE WHEN status = 'waiting_approval' THEN 'pending' ELSE status END,
-       wait_reason = CASE WHEN status = 'waiting_approval' THEN NULL ELSE wait_reason END,
-       pending_call = CASE WHEN status = 'waiting_approval' THEN NULL ELSE pending_call END
- WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
-RETURNING *;
+-- The first request's reason and end stay. requested_now says whether this one set them: false,
+-- the run was rolling back already, and ends as that rollback said (the CLI said "ends cancelled"
+-- of a run that then ended failed, and dropped the second reason without a word).
+WITH before AS (
+    SELECT id, rollback_reason IS NULL AS requested_now FROM agent_run
+     WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
+       FOR NO KEY UPDATE
+)
+UPDATE agent_run r
+   SET rollback_reason = coalesce(r.rollback_reason, %(reason)s),
+       rollback_end = coalesce(r.rollback_end, %(end)s),
+       status = CASE WHEN r.status = 'waiting_approval' THEN 'pending' ELSE r.status END,
+       wait_reason = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.wait_reason END,
+       pending_call = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.pending_call END
+  FROM before
+ WHERE r.id = before.id AND r.status IN ('pending', 'running', 'waiting_approval')
+RETURNING r.*, before.requested_now;
 
 -- k8s_runs_by_id --
 -- The operator's status flush: the runs it was notified about, in one round trip.
