@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
 from agentrun.store import Store
 from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
@@ -33,6 +34,7 @@ from agentrun.worker.settings import RetryPolicy
 TOOLS = ToolRegistry()
 RELEASE = threading.Event()  # set at the end of each test: a hung compensation's thread returns
 SEEN: list[bool] = []  # what each compensation saw of the fence
+FIXED: list[bool] = []  # non-empty: the service a "down_until_fixed" compensation needs is back
 
 
 @tool(kind="non_idempotent", registry=TOOLS, compensate="unhold")
@@ -49,6 +51,8 @@ def unhold(ctx: ToolContext, item: str, how: str) -> str:
         raise ToolError(f"the reservation service refused to release {item}")
     if how == "hang":
         RELEASE.wait()
+    if how == "down_until_fixed" and not FIXED:
+        raise ToolError(f"the reservation service is down; {item} not released")
     return f"released {item}"
 
 
@@ -56,6 +60,7 @@ def unhold(ctx: ToolContext, item: str, how: str) -> str:
 def hung_calls_released() -> Iterator[None]:
     RELEASE.clear()
     SEEN.clear()
+    FIXED.clear()
     yield
     RELEASE.set()
 
@@ -153,3 +158,47 @@ async def test_a_retry_of_a_run_dead_lettered_in_its_rollback_resumes_the_rollba
     assert (done.status, done.error) == (
         "cancelled", "cancelled: plans changed; compensated: unhold for hold (step 0)")
     assert await store.compensations_due(run.id) == []
+
+
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+async def test_a_retry_finishes_a_rollback_that_ended_incomplete(store: Store, end: str) -> None:
+    """A rollback whose compensation failed (the service it needs was down) ended the run with
+    ROLLBACK INCOMPLETE. `agentrun retry`, once the service is back, went back to the model and
+    could end succeeded with the effect still in place (a failed run, a reject --abort's
+    included), and a cancelled one could not be retried at all (found by an adversarial review
+    on 2026-12-06). It now finishes the rollback, and the run ends as it was to."""
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
+    run, _ = await store.create_run("book a seat", agent)
+    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
+    block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
+             "input": {"item": "seat", "how": "down_until_fixed"}}
+    await store.append_step(lease, 0, "model_turn",
+                            {"content": [block], "stop_reason": "tool_use"})
+    metrics = WorkerMetrics()
+    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                     RetryPolicy(max_retries=0), is_draining=lambda: False)
+    h = RunHandle(run, lease, lease_ttl=60)
+    await ex.call_tool(h, 0, 0, block, None)
+    if end == "cancelled":
+        await store.request_rollback(run.id, "cancelled", "plans changed")
+        await ex.abort(h)
+        why = "cancelled: plans changed"
+    else:
+        await ex.abort(h, "tool charge failed: card declined")
+        why = "tool charge failed: card declined"
+    first = await store.get_run(run.id)
+    assert first.status == end and "ROLLBACK INCOMPLETE" in (first.error or ""), first.error
+
+    FIXED.append(True)
+    retried = await store.retry(run.id, "reservation service back")
+    assert (retried.status, retried.rollback_reason, retried.rollback_end) == (
+        "pending", why, end)
+    assert retried.retried_as().startswith(f"it resumes its rollback ({why})")
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (end, f"{why}; compensated: unhold for hold (step 0)")
+    assert await store.compensations_due(run.id) == []
+    # Rolled back whole: nothing is left to retry into.
+    with pytest.raises(ConfigError, match="be retried"):
+        await store.retry(run.id)

@@ -1580,13 +1580,17 @@ class Store:
 
     async def retry(self, run_id: str | UUID, reason: str | None = None) -> Run:
         """Make a failed or dead-lettered run pending again with a fresh poison-run budget; it
-        continues from its step log (see ``retry_run`` in queries.sql). Raises
-        :class:`ConfigError` (one line) when the run cannot be retried: it is live, it
-        succeeded or was cancelled, or its failure rolled back (compensated) what it did."""
+        continues from its step log (see ``retry_run`` in queries.sql), or, if its rollback ended
+        incomplete (failed or cancelled), finishes that rollback. Raises :class:`ConfigError`
+        (one line) when the run cannot be retried: it is live, it succeeded or was cancelled, or
+        its failure rolled back (compensated) what it did."""
         rid = parse_run_id(run_id)
+        # A rollback that ended incomplete is resumed, never abandoned (queries.sql retry_run).
+        rollback_due = bool(await self.compensations_due(rid))
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=known_row(Run))
-            await cur.execute(queries["retry_run"], {"run_id": rid, "reason": reason})
+            await cur.execute(queries["retry_run"],
+                              {"run_id": rid, "reason": reason, "rollback_due": rollback_due})
             run = await cur.fetchone()
             if run is not None:
                 return run
@@ -1601,8 +1605,9 @@ class Store:
                 f"run {rid} cannot be retried: its failure rolled back ({compensations} "
                 "compensation(s) done); agentrun restart starts it afresh"
             )
-        raise ConfigError(f"run {rid} {now.status}; only a failed or dead-lettered run can be "
-                          "retried (agentrun restart starts a new run with its spec)")
+        raise ConfigError(f"run {rid} {now.status}; only a failed or dead-lettered run, or one "
+                          "whose rollback ended incomplete, can be retried (agentrun restart "
+                          "starts a new run with its spec)")
 
     async def restart(self, run_id: str | UUID) -> Run:
         """A new run with the spec of ``run_id`` (task, model, agent spec, pool, limits), from

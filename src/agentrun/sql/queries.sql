@@ -675,19 +675,29 @@ SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
 -- rollback ended, e.g. in a compensation) never finished it: it keeps its rollback_reason and
 -- rollback_end, so the retry resumes the rollback and the run ends as it was asked to. Cleared,
 -- it went back to the model and tools, and what it had to undo stayed done.
+-- So does a run whose rollback ended incomplete (a compensation failed: ROLLBACK INCOMPLETE),
+-- failed or cancelled: %(rollback_due)s, compensations_due is not empty (Store.retry reads it; a
+-- finished run's effects and steps do not change). The retry is how a rollback is finished once
+-- what its compensation needed is back. Before, a failed one went back to the model and could end
+-- succeeded with its effects in place (after a reject --abort too), and a cancelled one could
+-- never be finished.
 UPDATE agent_run r
    SET status = 'pending', lease_owner = NULL, lease_until = NULL,
        stalled_attempts = 0, claim_seq = r.next_seq,
-       rollback_reason = CASE WHEN r.status = 'dead_letter' THEN r.rollback_reason END,
-       rollback_end = CASE WHEN r.status = 'dead_letter' THEN r.rollback_end END,
+       rollback_reason = CASE WHEN r.status = 'dead_letter' OR %(rollback_due)s
+                              THEN r.rollback_reason END,
+       rollback_end = CASE WHEN r.status = 'dead_letter' OR %(rollback_due)s
+                           THEN r.rollback_end END,
        result = NULL, finished_at = NULL,
        retried_error = r.error, error = NULL,
        retries = r.retries + 1, retry_reason = %(reason)s
  WHERE r.id = %(run_id)s
-   AND r.status IN ('failed', 'dead_letter')
-   AND ((r.status = 'dead_letter' AND r.rollback_reason IS NOT NULL)
-        OR NOT EXISTS (SELECT 1 FROM agent_step s
-                        WHERE s.run_id = r.id AND s.kind = 'compensation'))
+   AND ((r.status IN ('failed', 'dead_letter', 'cancelled')
+         AND r.rollback_reason IS NOT NULL AND %(rollback_due)s)
+        OR (r.status IN ('failed', 'dead_letter')
+            AND ((r.status = 'dead_letter' AND r.rollback_reason IS NOT NULL)
+                 OR NOT EXISTS (SELECT 1 FROM agent_step s
+                                 WHERE s.run_id = r.id AND s.kind = 'compensation'))))
 RETURNING r.*;
 
 -- compensation_count --
