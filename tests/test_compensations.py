@@ -65,10 +65,13 @@ def hung_calls_released() -> Iterator[None]:
     RELEASE.set()
 
 
-async def rolled_back(store: Store, how: str) -> tuple[str, WorkerMetrics, RunHandle]:
-    """A run whose hold (step 0) is recorded, failed by the executor's abort: its error."""
+async def recorded_hold(
+    store: Store, how: str, **create: Any
+) -> tuple[RunExecutor, WorkerMetrics, RunHandle]:
+    """A claimed run whose hold (step 0, compensated per ``how``) the executor called and
+    recorded; ``create``: more of create_run's arguments."""
     agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
-    run, _ = await store.create_run("book a seat", agent)
+    await store.create_run("book a seat", agent, **create)
     ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
     block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
              "input": {"item": "seat", "how": how}}
@@ -80,6 +83,13 @@ async def rolled_back(store: Store, how: str) -> tuple[str, WorkerMetrics, RunHa
     h = RunHandle(run, lease, lease_ttl=60)
     result = await ex.call_tool(h, 0, 0, block, None)
     assert result["content"] == "held seat"
+    return ex, metrics, h
+
+
+async def rolled_back(store: Store, how: str) -> tuple[str, WorkerMetrics, RunHandle]:
+    """A run whose hold (step 0) is recorded, failed by the executor's abort: its error."""
+    ex, metrics, h = await recorded_hold(store, how)
+    run = h.run
     # Bounded only so that a hang fails the test instead of stalling it (the fix makes it 0.2 s).
     await asyncio.wait_for(ex.abort(h, "tool charge failed: card declined"), 60)
     done = await store.get_run(run.id)
@@ -128,17 +138,8 @@ async def test_a_retry_of_a_run_dead_lettered_in_its_rollback_resumes_the_rollba
     dead-lettered the run: `agentrun retry` (what a dead letter asks for) cleared the rollback,
     and the run went back to the model and its tools, ending succeeded with the effect it was
     to undo still done (found by an adversarial review on 2026-12-06)."""
-    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
-    run, _ = await store.create_run("book a seat", agent, max_attempts=1)
-    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
-    block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
-             "input": {"item": "seat", "how": "release"}}
-    await store.append_step(lease, 0, "model_turn",
-                            {"content": [block], "stop_reason": "tool_use"})
-    metrics = WorkerMetrics()
-    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
-                     RetryPolicy(max_retries=0), is_draining=lambda: False)
-    await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, block, None)
+    ex, _, h = await recorded_hold(store, "release", max_attempts=1)
+    run = h.run
     await store.request_rollback(run.id, "cancelled", "plans changed")
     # The holder dies; the next claim's worker dies inside the compensation; the one after
     # dead-letters the run (maxAttempts 1).
@@ -167,18 +168,8 @@ async def test_a_retry_finishes_a_rollback_that_ended_incomplete(store: Store, e
     could end succeeded with the effect still in place (a failed run, a reject --abort's
     included), and a cancelled one could not be retried at all (found by an adversarial review
     on 2026-12-06). It now finishes the rollback, and the run ends as it was to."""
-    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
-    run, _ = await store.create_run("book a seat", agent)
-    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
-    block = {"type": "tool_use", "id": "toolu_1", "name": "hold",
-             "input": {"item": "seat", "how": "down_until_fixed"}}
-    await store.append_step(lease, 0, "model_turn",
-                            {"content": [block], "stop_reason": "tool_use"})
-    metrics = WorkerMetrics()
-    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
-                     RetryPolicy(max_retries=0), is_draining=lambda: False)
-    h = RunHandle(run, lease, lease_ttl=60)
-    await ex.call_tool(h, 0, 0, block, None)
+    ex, _, h = await recorded_hold(store, "down_until_fixed")
+    run = h.run
     if end == "cancelled":
         await store.request_rollback(run.id, "cancelled", "plans changed")
         await ex.abort(h)
