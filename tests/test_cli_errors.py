@@ -52,6 +52,40 @@ async def test_runs_into_a_pipe_closed_early_exits_quietly(database_url: str, st
     assert res.stderr.strip() == "exit=141", res.stderr
 
 
+
+async def test_logs_follow_into_a_pipe_closed_early_exits_quietly(
+    database_url: str, store: Store
+) -> None:
+    """`logs -f` of a live run whose reader went away: the BrokenPipeError of its print (an
+    OSError) was taken for the database not answering, said as "cannot read it ([Errno 32]
+    Broken pipe); trying again" every few seconds, and the follower never exited."""
+    run, _ = await store.create_run("follow me", AgentSpec(model="claude-sonnet-4-5"))
+    ((_, lease),) = (await store.claim("default", "w", 1)).claimed
+    await store.append_step(lease, 0, "note", {"text": "first"})
+    script = (
+        f"timeout 60 {sys.executable} -m agentrun logs -f {run.id} | head -1; "
+        'echo "exit=${PIPESTATUS[0]}" >&2'
+    )
+    proc = await asyncio.to_thread(
+        subprocess.Popen, ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AGENTRUN_DATABASE_URL": database_url}, cwd=tempfile.gettempdir(),
+    )
+    try:
+        assert proc.stdout is not None
+        first = await asyncio.to_thread(proc.stdout.readline)  # head's one line: it exits
+        assert "first" in first, first
+        # Followed steps, more than a pipe holds: the follower writes after head has gone.
+        for seq in range(1, 200):
+            await store.append_step(lease, seq, "note", {"text": f"line {seq} " + "x" * 400})
+        out, err = await asyncio.to_thread(proc.communicate, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out == ""
+    assert err.strip() == "exit=141", err  # not 124, killed by the timeout, after retries
+
+
 # -- AGENTRUN_DATA_DIR ---------------------------------------------------------------------------
 
 

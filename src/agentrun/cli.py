@@ -349,6 +349,10 @@ class Rereads:
         """``fn()``'s value, or (False, None) when the database did not answer."""
         try:
             value = await fn()
+        except BrokenPipeError:
+            # The reader went away (`| head -1`): an OSError, so one of DB_ERRORS, and it was
+            # "tried again" every few seconds for ever. main() exits 141 on it.
+            raise
         except DB_ERRORS as exc:
             if not self.failing:
                 print(f"agentrun: run {self.run_id}: cannot read it "
