@@ -67,7 +67,8 @@ async def test_logs_follow_into_a_pipe_closed_early_exits_quietly(
         'echo "exit=${PIPESTATUS[0]}" >&2'
     )
     proc = await asyncio.to_thread(
-        subprocess.Popen, ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        subprocess.Popen, ["bash", "-c", script], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
         env={**os.environ, "AGENTRUN_DATABASE_URL": database_url}, cwd=tempfile.gettempdir(),
     )
     try:
