@@ -440,6 +440,10 @@ async def actions(
                             else f"the run had already ended ({now.status})", 1000)),
                         run.id)
             elif key == RETRY:
+                if value.lower() in ("", "false", "no", "0"):
+                    # Read as a reason, "false" retried the run it was meant to leave alone.
+                    raise ConfigError(f'{key} must be "true" or the reason for the retry, '
+                                      f"not {value!r}")
                 reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
                 # Consumed first, as approve/reject: a replay after an operator killed before
                 # kopf's removal retried a run that had failed again, with nobody asking.
@@ -483,12 +487,15 @@ async def actions(
                     Reason.APPROVED if key == APPROVE else Reason.REJECTED,
                     f"step {seq} ({call.get('tool')}) {decision} by {who}",
                 ), run.id)
-            log.info("AgentRun %s/%s: %s=%s applied", namespace, name, key, value,
+            log.info("AgentRun %s/%s: %s=%r applied", namespace, name, key, value,
                      extra={"run_id": str(run.id)})
         except ConfigError as exc:
+            # The value is anyone's text: escaped on one line, or a newline in it forged rows of
+            # `kubectl describe`'s Events table and an escape sequence reached the terminal.
             await app.event(ref, Event(
-                "Warning", Reason.ACTION_REFUSED, f"{key}={value}: {exc}"), run.id)
-            log.warning("AgentRun %s/%s: %s=%s refused: %s", namespace, name, key, value, exc,
+                "Warning", Reason.ACTION_REFUSED, one_line(f"{key}={value!r}: {exc}", 1000)),
+                run.id)
+            log.warning("AgentRun %s/%s: %s=%r refused: %s", namespace, name, key, value, exc,
                         extra={"run_id": str(run.id)})
         except DB_ERRORS as exc:
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None

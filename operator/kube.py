@@ -27,6 +27,9 @@ T = TypeVar("T")
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+#: Reads and removals of an action annotation before giving up on an object that keeps changing
+#: under them (kopf then calls the handler again).
+CONSUME_TRIES = 5
 
 
 #: The field manager of the operator's writes (shown in managedFields where Kubernetes records
@@ -155,25 +158,43 @@ class KubeApi:
     async def consume_annotation(
         self, namespace: str, name: str, uid: str, key: str, value: str
     ) -> bool:
-        """Remove annotation ``key`` of the AgentRun ``uid`` if it still reads ``value``, in one
-        JSON patch whose ``test`` ops make it all or nothing. True when this call removed it;
-        False when it is gone or was changed (consumed before: by this handler, run again after
-        an operator restart) or the object was deleted or replaced."""
+        """Remove annotation ``key`` of the AgentRun ``uid`` if it still reads ``value``. True when
+        this call removed it; False when it is gone or was changed (consumed before: by this
+        handler, run again after an operator restart) or the object was deleted or replaced.
+
+        The value is compared here, on the object as read, and the removal is a JSON patch that
+        tests the uid and the resourceVersion read (all or nothing: an object changed since is
+        read again). A ``test`` of the value itself compared JSON bytes on the API server, where
+        Go writes ``&``, ``<`` and ``>`` escaped and the client writes every non-ASCII character
+        escaped: "R&D fixed it" or "café" never matched, and such an action was taken for one
+        consumed before, silently, for good."""
         path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
-        ops: list[dict[str, Any]] = [
-            {"op": "test", "path": "/metadata/uid", "value": uid},
-            {"op": "test", "path": path, "value": value},
-            {"op": "remove", "path": path},
-        ]
-        try:
-            await self._json_patch(AGENTRUNS_PLURAL, namespace, name, ops)
-        except NotFound:
-            return False
-        except ApiException as exc:
-            if exc.status == 422:  # a test failed: not this object, or not this annotation
+        for _ in range(CONSUME_TRIES):
+            try:
+                obj = await self.get_agentrun(namespace, name)
+            except NotFound:
                 return False
-            raise
-        return True
+            meta = obj.get("metadata") or {}
+            if meta.get("uid") != uid or (meta.get("annotations") or {}).get(key) != value:
+                return False
+            ops: list[dict[str, Any]] = [
+                {"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "test", "path": "/metadata/resourceVersion",
+                 "value": meta.get("resourceVersion")},
+                {"op": "remove", "path": path},
+            ]
+            try:
+                await self._json_patch(AGENTRUNS_PLURAL, namespace, name, ops)
+            except NotFound:
+                return False
+            except ApiException as exc:
+                if exc.status == 422:  # changed since it was read: read it again
+                    continue
+                raise
+            return True
+        raise ApiException(status=409, reason=(
+            f"AgentRun {namespace}/{name} changed at each of {CONSUME_TRIES} tries to remove "
+            f"annotation {key}"))
 
     async def get_agentrun(self, namespace: str, name: str) -> dict[str, Any]:
         """The AgentRun object; raises :class:`NotFound`."""

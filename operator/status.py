@@ -48,7 +48,14 @@ def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
 
 
 def summarise_arguments(args: Any, limit: int = 200) -> str:
-    return truncate(json.dumps(args, sort_keys=True, ensure_ascii=False), limit) or ""
+    # JSON escapes C0 controls but not C1 (U+009B is a terminal's CSI) nor DEL.
+    return truncate(printable(json.dumps(args, sort_keys=True, ensure_ascii=False)), limit) or ""
+
+
+def shown(text: str | None, limit: int) -> str | None:
+    """A run's result or error as ``kubectl describe`` prints it, as it is: lines and tabs
+    kept, what a terminal would act on escaped (the store keeps the text itself)."""
+    return None if text is None else truncate(printable(text), limit)
 
 
 def message(run: Run, quota: Quota | None = None) -> str:
@@ -199,8 +206,8 @@ def status_for(
         },
         # Micro-dollars: enough for a one-token turn, and a float that reads back the same.
         "costUSD": round(run.cost_usd, 6),
-        "result": truncate(run.result, MAX_TEXT),
-        "error": truncate(run.error, MAX_TEXT),
+        "result": shown(run.result, MAX_TEXT),
+        "error": shown(run.error, MAX_TEXT),
         "message": message(run, quota),
         "pendingApproval": {
             "seq": int(call["seq"]),

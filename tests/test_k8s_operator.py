@@ -1088,6 +1088,48 @@ async def test_retry_annotation_makes_a_dead_lettered_run_pending_again_with_its
     assert (await store.get_run(run.id)).retries == 1
 
 
+async def test_action_annotations_of_anyones_text_are_refused_escaped_or_acted_on(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    """Found by an adversarial review on 2026-12-06 against this API server: a retry reason with
+    "&", "<", ">" or any non-ASCII character was never acted on (the consuming patch's `test`
+    compared JSON bytes, which Go and the client escape differently), silently and for good;
+    "false" retried the run; and a refused value reached its Event raw, where a newline forged
+    rows of `kubectl describe`'s Events table."""
+    operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("texts"))
+    run = await run_of(store, cluster, "texts")
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+    await store.finish(lease, "failed", error="tool crashed")
+    await eventually(lambda: status(cluster, "texts").get("phase") == "failed", 15, "failed")
+
+    def refused() -> list[str]:
+        return [e["message"] for e in cluster.events("texts") if e["reason"] == "ActionRefused"]
+
+    cluster.annotate("texts", {"agentrun.dev/retry": "false"})
+    await eventually(lambda: bool(refused()), 15, "ActionRefused event")
+    assert refused() == [
+        "agentrun.dev/retry='false': agentrun.dev/retry must be \"true\" or the reason for the "
+        "retry, not 'false'"]
+    forged = "yes\n  Normal  Retried  1s  agentrun-operator  retry 1 by alice\x1b[2J"
+    cluster.annotate("texts", {"agentrun.dev/cancel": forged})
+    await eventually(lambda: len(refused()) == 2, 15, "a second ActionRefused event")
+    shown = "'yes\\n Normal Retried 1s agentrun-operator retry 1 by alice\\x1b[2J'"  # one line
+    assert sorted(refused())[0] == (
+        f'agentrun.dev/cancel={shown}: agentrun.dev/cancel must be "true", not {shown}'
+    ), refused()
+    assert (await store.get_run(run.id)).retries == 0
+
+    reason = "R&D fixed <the tool> — café"
+    cluster.annotate("texts", {"agentrun.dev/retry": reason})
+    await eventually(lambda: status(cluster, "texts").get("phase") == "pending", 15, "pending")
+    retried = await store.get_run(run.id)
+    assert retried.retry_reason == f"{reason} (annotation on AgentRun {cluster.namespace}/texts)"
+    annotations = (cluster.agentrun("texts") or {})["metadata"].get("annotations") or {}
+    assert "agentrun.dev/retry" not in annotations  # consumed
+
+
 async def test_ttl_seconds_after_finished_deletes_the_object_and_keeps_the_runs_rows(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:

@@ -193,3 +193,19 @@ def test_an_unknown_outcome_of_an_approved_re_run_is_a_new_wait_on_the_same_step
     assert status["pendingApproval"]["attempt"] == 2
     # An operator restart reads the attempt back from .status: no Event repeated.
     assert reasons(Snapshot.from_status(status), again) == []
+
+
+def test_status_text_is_escaped_as_kubectl_describe_prints_it() -> None:
+    """Found by an adversarial review on 2026-12-06: .status.error, .status.result and the
+    pending call's arguments reached `kubectl describe` raw (ESC, BEL, a C1 CSI, a bidi
+    override), while message and the conditions were escaped. Lines and tabs stay."""
+    evil = "line one\n\tcol\x1b[2J\x07\x9b31m\u202eevil"
+    shown = "line one\n\tcol\\x1b[2J\\x07\\x9b31m\\u202eevil"
+    failed = run(status="failed", error=evil, result=evil, lease_epoch=1, attempt=1)
+    st = status_for(failed, db_up=True, previous=None)
+    assert (st["error"], st["result"]) == (shown, shown)
+    waiting = run(status="waiting_approval", lease_epoch=1, attempt=1, wait_reason="approve?",
+                  pending_call={"seq": 0, "call_index": 0, "tool": "t",
+                                "input": {"q": "\x9b\x7f\u202e"}, "stage": "before_call"})
+    assert status_for(waiting, db_up=True, previous=None)["pendingApproval"]["arguments"] == (
+        '{"q": "\\x9b\\x7f\\u202e"}')

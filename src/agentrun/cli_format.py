@@ -33,15 +33,23 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-#: What a terminal acts on: C0 controls but newline and tab, DEL, and C1 controls.
-_TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: What a terminal acts on: C0 controls but newline and tab, DEL, and C1 controls; and the
+#: bidirectional controls (U+061C, U+200E-F, U+202A-E, U+2066-9), which reorder what is shown
+#: around them: a task could make a line read as something it does not say.
+_TERMINAL_CONTROL = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def printable(text: str) -> str:
-    """``text`` with what a terminal would act on shown as escapes (``\x1b``): a model's or a
-    tool's text, steered by what the run read, could otherwise clear the screen, forge lines or
-    set the clipboard of whoever looks at the run."""
-    return _TERMINAL_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` with what a terminal would act on shown as escapes (``\x1b``, ``\u202e``): a
+    model's or a tool's text, steered by what the run read, could otherwise clear the screen,
+    forge lines, set the clipboard of whoever looks at the run or reorder what it shows."""
+    return _TERMINAL_CONTROL.sub(_escape, text)
 
 
 def short(text: str | None, n: int = 60) -> str:
