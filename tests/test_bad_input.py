@@ -185,6 +185,27 @@ async def test_a_rollbacks_reason_reaches_no_terminal_as_escape_sequences(
         assert "\\x1b[2J" in shown, shown
 
 
+async def test_a_deciders_name_reaches_no_terminal_as_escape_sequences(
+    database_url: str, store: Store
+) -> None:
+    """`approve`/`reject --by` printed the name as typed: its ESC bytes cleared the screen and
+    a newline forged a second line of the confirmation (found by an adversarial review on
+    2026-12-06). Also the run id as typed (urn:uuid:...) is printed as the store reads it."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    for verb in ("approve", "reject"):
+        run, _ = await store.create_run("t", AgentSpec(model="m"), pool=verb)
+        ((_, lease),) = (await store.claim(verb, "w1")).claimed
+        await store.wait_for_approval(lease, "approval required before drop_table", {
+            "seq": 0, "call_index": 0, "tool": "drop_table", "input": {},
+            "stage": "before_call"})
+        res = run_cli(verb, f"urn:uuid:{run.id}", "0", "--by", "eve\n" + ESCAPES, env=env)
+        assert res.returncode == 0, res.stderr
+        assert len(res.stdout.splitlines()) == 1, res.stdout
+        assert not any(c in res.stdout for c in "\x1b\x07\x9b"), res.stdout
+        assert res.stdout.startswith(f"run {run.id}: drop_table (step 0") and (
+            "by eve\\n\\x1b[2J" in res.stdout), res.stdout
+
+
 def test_operator_messages_and_events_reach_no_terminal_as_escape_sequences() -> None:
     """``kubectl get agentruns`` and ``describe`` print a status message or an Event as it is."""
     line = one_line("tool failed: " + ESCAPES, 1000)

@@ -590,9 +590,13 @@ async def cmd_decide(args: argparse.Namespace) -> int:
         call = await store.decide(
             args.run, args.seq, decision, decided_by=by, reason=args.reason, abort=abort
         )
+    rid = parse_run_id(args.run)  # as the store read it, not as typed (urn:uuid:..., {...})
+    # --by is anyone's text: escaped on this one line (its newlines too), as every other view of
+    # a run shows it; raw, it could clear the screen or forge a line of this output.
+    by = printable(by).replace("\n", "\\n").replace("\t", "\\t")
     if abort:
         print(
-            f"run {args.run}: {call['tool']} (step {args.seq}) rejected by {by}; the run "
+            f"run {rid}: {call['tool']} (step {args.seq}) rejected by {by}; the run "
             "rolls back its compensable effects and fails"
         )
         return 0
@@ -600,7 +604,7 @@ async def cmd_decide(args: argparse.Namespace) -> int:
     if call["stage"] == "outcome_unknown":  # each decision is about one attempt of the call
         stage += f", attempt {int(call['attempt'])}"  # the one decide recorded
     print(
-        f"run {args.run}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
+        f"run {rid}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
         "the run resumes on the next claim"
     )
     return 0
