@@ -252,4 +252,10 @@ async def test_the_store_refuses_a_pool_no_notification_can_carry(store: Store) 
 def test_an_idempotency_key_too_long_to_index(database_url: str, tmp_path: Path) -> None:
     path = manifest(tmp_path, "metadata: {name: x}\nspec: {agent: {model: m}, task: t}")
     refused("submit", "-f", path, "--idempotency-key", "k" * 9000, url=database_url,
-            says="the idempotency key has 9000 characters; at most 1024")
+            says="the idempotency key has 9000 bytes (UTF-8); at most 1024")
+    # 1,024 characters, 4,096 bytes: the index refused it (exit 3, "index row size ...").
+    refused("submit", "-f", path, "--idempotency-key", "\U0001f600" * 1024, url=database_url,
+            says="the idempotency key has 4096 bytes (UTF-8); at most 1024")
+    # An unset variable's empty key made every such submit return the first one's run.
+    refused("submit", "-f", path, "--idempotency-key", "", url=database_url,
+            says="the idempotency key is empty")

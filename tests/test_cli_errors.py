@@ -87,6 +87,24 @@ async def test_logs_follow_into_a_pipe_closed_early_exits_quietly(
     assert err.strip() == "exit=141", err  # not 124, killed by the timeout, after retries
 
 
+
+def test_a_statement_the_server_cancels_is_a_database_error_not_an_unreachable_one(
+    database_url: str,
+) -> None:
+    """psycopg raises a statement timeout (57014) or a program limit (class 54) as an
+    OperationalError, as it does a lost connection: they were all "cannot be reached", exit 3
+    (found by an adversarial review on 2026-12-06). The server answered: exit 1."""
+    with psycopg.connect(database_url, autocommit=True) as blocker:
+        blocker.execute("BEGIN")
+        blocker.execute("LOCK TABLE agent_run IN ACCESS EXCLUSIVE MODE")
+        res = run_cli("runs", env={"AGENTRUN_DATABASE_URL": database_url,
+                                   "AGENTRUN_DB_STATEMENT_TIMEOUT": "0.5"})
+        blocker.execute("ROLLBACK")
+    assert res.returncode == 1, res.stderr
+    assert _one_line(res) == (
+        "agentrun: error: database error: canceling statement due to statement timeout")
+
+
 # -- AGENTRUN_DATA_DIR ---------------------------------------------------------------------------
 
 

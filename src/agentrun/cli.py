@@ -580,6 +580,15 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
     return 0
 
 
+def unreachable(exc: psycopg.OperationalError) -> bool:
+    """Whether ``exc`` says the database could not be reached or went away: no SQLSTATE (libpq
+    failed to connect, or lost the connection), class 08 (connection exception) or 57P01-57P03
+    (the server shutting down or starting). psycopg raises other server errors of the same
+    class too: a program limit (class 54), a query cancelled by statement_timeout (57014)."""
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
 async def cmd_decide(args: argparse.Namespace) -> int:
     if _talks_to_kubernetes(args):
         return await _decide_in_kubernetes(args)
@@ -1505,6 +1514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = " ".join(str(exc).split())
         reason = redact_message(raw, os.environ.get(DATABASE_URL_ENV))
         err: AgentrunError = DatabaseUnavailable(f"database error: {reason}")
+        if not unreachable(exc):
+            # The server answered and refused the statement (a program limit, a statement
+            # timeout): not "cannot be reached", exit 1.
+            err = AgentrunError(f"database error: {reason}")
         if login_refused(raw):  # e.g. the password changed after the first connection
             err = ConfigError(
                 f"database error: {reason}; check the user, password and database in "

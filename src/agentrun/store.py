@@ -97,7 +97,8 @@ CHANNEL_RUN_STEPS = "agentrun_run_steps"
 #: that dies without deleting its row stops costing appends a NOTIFY after this long.
 FOLLOWER_LEASE = 60.0
 
-#: The longest external key (a client's idempotency key) a run takes.
+#: The longest external key (a client's idempotency key) a run takes, in UTF-8 bytes: past
+#: about 2,700 the unique index refuses it, as a database error (1,024 characters of emoji were).
 MAX_EXTERNAL_KEY = 1024
 
 #: Default lease TTL in seconds (the store's, the worker's --lease-ttl). Short, so a dead
@@ -839,10 +840,14 @@ class Store:
             name = ManifestName(k8s.namespace, k8s.name)
         if (problem := pool_problem(pool or agent.pool)) is not None:
             raise ConfigError(f"pool {(pool or agent.pool)[:80]!r}: {problem}")
-        if external_key is not None and len(external_key) > MAX_EXTERNAL_KEY:
-            # Past about 2,700 bytes the unique index refuses it, as a database error.
+        if external_key is not None and not external_key.strip():
+            # An unset variable ($KEY) made every such submit the first one's run, silently.
+            raise ConfigError("the idempotency key is empty; give one, or none "
+                              "(submit --idempotency-key)")
+        if external_key is not None and (
+                size := len(external_key.encode("utf-8", "surrogatepass"))) > MAX_EXTERNAL_KEY:
             raise ConfigError(
-                f"the idempotency key has {len(external_key)} characters; at most "
+                f"the idempotency key has {size} bytes (UTF-8); at most "
                 f"{MAX_EXTERNAL_KEY} (submit --idempotency-key)"
             )
         params = {
