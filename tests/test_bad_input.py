@@ -73,6 +73,58 @@ def test_worker_settings_from_the_environment_name_the_variable(database_url: st
             env={"AGENTRUN_CONCURRENCY": "0"}, says="(AGENTRUN_CONCURRENCY): must be at least 1")
 
 
+#: Each was a traceback, or a wrong exit code, before an adversarial review on 2026-12-06:
+#: (arguments, environment, exit code, what the last line of stderr says).
+BINARY = "\udcff\udcfebinary"  # a file of bytes that are not UTF-8 (written below)
+CLI_CASES: list[tuple[list[str], dict[str, str], int, str]] = [
+    (["worker", "--log-level", "bogus"], {}, 2,
+     "--log-level: 'bogus': must be DEBUG, INFO, WARNING or ERROR ($AGENTRUN_LOG_LEVEL)"),
+    (["worker"], {"AGENTRUN_LOG_LEVEL": "bogus"}, 2, "must be DEBUG, INFO, WARNING or ERROR"),
+    (["operator"], {"AGENTRUN_LOG_FORMAT": "xml"}, 2,
+     "--log-format: 'xml': must be text or json ($AGENTRUN_LOG_FORMAT)"),
+    (["worker", "--prices", BINARY], {}, 2, "(AGENTRUN_PRICES): not UTF-8 text (byte 0)"),
+    (["fake-anthropic", "--scenario", BINARY], {}, 2, "not UTF-8 text (byte 0)"),
+    (["fake-anthropic", "--scenario", "demo_migration", "--port", "99999"], {}, 2,
+     "--port: 99999: must be between 0 and 65535"),
+    (["prune", "--older-than", "1d", "--batch", "99999999999999999999"], {}, 2,
+     "--batch 99999999999999999999: must be between 1 and 10000"),
+    (["drain-local", "--port", "18082", "--timeout", "nan"], {}, 2,
+     "--timeout nan: must be more than 0 and at most 604800 seconds"),
+    (["drain-local", "--port", "18082", "--timeout", "1e300"], {}, 2,
+     "--timeout 1e+300: must be more than 0 and at most 604800 seconds"),
+    (["drain-local", "--port", "99999"], {}, 2, "--port 99999: must be the worker's"),
+    (["logs", "-f", "3f1e2b7a-0000-4000-8000-000000000000"], {"AGENTRUN_FOLLOW_LEASE": "inf"}, 2,
+     "AGENTRUN_FOLLOW_LEASE=inf: must be more than 1 and at most 86400 seconds"),
+    (["logs", "-f", "3f1e2b7a-0000-4000-8000-000000000000"],
+     {"AGENTRUN_FOLLOW_RESYNC": "1e-9"}, 2, "AGENTRUN_FOLLOW_RESYNC=1e-09: must be more than"),
+    (["approve", "my-run", "3", "--kubeconfig", "KUBECONFIG", "--timeout", "inf"], {}, 2,
+     "--timeout inf: must be more than 0 and at most 604800 seconds"),
+    (["approve", "my-run", "3", "--kubeconfig", BINARY], {}, 2, "kubeconfig: 'utf-8' codec"),
+    (["approve", "my-run", "3", "--kubeconfig", "KUBECONFIG"], {}, 3,
+     "cannot reach the Kubernetes API server http://127.0.0.1:1 ("),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "code", "says"), CLI_CASES)
+def test_bad_values_are_one_line_and_the_right_exit_code(
+    database_url: str, tmp_path: Path, args: list[str], env: dict[str, str], code: int,
+    says: str,
+) -> None:
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    kubeconfig = tmp_path / "kubeconfig"  # an API server nothing listens on
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: x\n"
+        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: not-to-be-printed}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u}}]\n")
+    args = [{BINARY: str(binary), "KUBECONFIG": str(kubeconfig)}.get(a, a) for a in args]
+    proc = run_cli(*args, env={"AGENTRUN_DATABASE_URL": database_url, **env}, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr and "not-to-be-printed" not in proc.stderr
+    assert says in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
 OPERATOR_CASES = [  # each once accepted: a busy loop, a division by zero, a spin, no bound
     ({"AGENTRUN_HEALTH_INTERVAL": "0"},
      "AGENTRUN_HEALTH_INTERVAL 0: must be more than 0 (seconds; default 5)"),

@@ -404,6 +404,22 @@ def _end_line(run: Run) -> str:
     return f"run {run.id} {run.status}" + (f": {short(what, 200)}" if said else "")
 
 
+#: The longest a command waits on anything but a run (a drain, a decision through Kubernetes):
+#: a week, as the longest tool timeout. Past what a clock or a socket takes, a huge or infinite
+#: value was a traceback.
+MAX_WAIT_SECONDS = 7 * 24 * 3600.0
+
+
+def _check_seconds(what: str, value: float, low: float = 0.0,
+                   high: float = MAX_WAIT_SECONDS) -> None:
+    """``value`` (seconds, named ``what``) must be finite and in (low, high]: one line, exit 2,
+    before anything is sent."""
+    if not low < value <= high:  # NaN compares false
+        sep = "" if what.endswith("=") else " "  # a flag's value, or a variable's
+        raise ConfigError(f"{what}{sep}{value:g}: must be more than {low:g} and at most "
+                          f"{high:g} seconds")
+
+
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and not timeout > 0:
         raise ConfigError(
@@ -470,15 +486,21 @@ async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[N
             await store.unfollow_run(run_id, follower)
 
 
+def follow_settings() -> tuple[float, float]:
+    """(resync, lease) of a follower, from the environment, checked: a tiny resync re-read the
+    log in a busy loop, an infinite lease was a traceback."""
+    resync = env_float(FOLLOW_RESYNC_ENV, FOLLOW_RESYNC)
+    lease = env_float(FOLLOW_LEASE_ENV, FOLLOWER_LEASE)
+    _check_seconds(f"{FOLLOW_RESYNC_ENV}=", resync, low=0.05, high=24 * 3600.0)
+    _check_seconds(f"{FOLLOW_LEASE_ENV}=", lease, low=1.0, high=24 * 3600.0)
+    return resync, lease
+
+
 async def _follow(
     store: Store, run_id: Any, more: Callable[[], Coroutine[Any, Any, None]]
 ) -> Run:
     """Print the run's steps as they commit (``more``) until it ends; the run at its end."""
-    resync = env_float(FOLLOW_RESYNC_ENV, FOLLOW_RESYNC)
-    lease = env_float(FOLLOW_LEASE_ENV, FOLLOWER_LEASE)
-    for name, value in ((FOLLOW_RESYNC_ENV, resync), (FOLLOW_LEASE_ENV, lease)):
-        if not value > 0:
-            raise ConfigError(f"{name}={value:g}: must be more than 0 seconds")
+    resync, lease = follow_settings()
     reads = Rereads(run_id)
     async with _following(store, run_id, lease), RunChanges(store, run_id, steps=True) as ch:
         while True:
@@ -494,6 +516,8 @@ async def _follow(
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     rid = parse_run_id(args.run)
+    if args.follow:
+        follow_settings()  # a bad setting is said before anything is read
 
     def show(steps: Sequence[Any]) -> None:
         for s in steps:
@@ -570,6 +594,8 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
     if getattr(args, "abort", False):
         raise ConfigError("--abort is not available with --kube: reject it without --abort, "
                           "or cancel the AgentRun (agentrun.dev/cancel) to end it")
+    # Before anything is created: a bad one made the approval, then exited 124 or crashed.
+    _check_seconds("--timeout", args.timeout)
     decision: Literal["approve", "reject"] = "approve" if args.command == "approve" else "reject"
     async with AsyncKubeApprovals(kubeconfig=args.kubeconfig, context=args.context,
                                   namespace=args.namespace) as kube:
@@ -695,14 +721,17 @@ MAX_DURATION = timedelta(weeks=52_000)
 #: Runs per prune batch: 100 runs of 1,000 steps delete in about 0.8 s here, far inside the
 #: statement timeout, and a longer log per run still fits.
 PRUNE_BATCH = 100
+#: The most runs a prune batch takes: short batches are the point (each is one transaction).
+MAX_PRUNE_BATCH = 10_000
 
 #: The statuses agentrun prune deletes by default: every finished one.
 PRUNABLE = TERMINAL
 
 
 async def cmd_prune(args: argparse.Namespace) -> int:
-    if args.batch < 1:
-        raise ConfigError(f"--batch {args.batch}: must be at least 1 (default {PRUNE_BATCH})")
+    if not 1 <= args.batch <= MAX_PRUNE_BATCH:  # past a bigint, a database error's traceback
+        raise ConfigError(f"--batch {args.batch}: must be between 1 and {MAX_PRUNE_BATCH} "
+                          f"(default {PRUNE_BATCH})")
     statuses = args.status or list(PRUNABLE)
     cutoff = datetime.now(UTC) - args.older_than
     what = f"{'/'.join(statuses)} runs finished before {cutoff.isoformat(timespec='seconds')}"
@@ -924,6 +953,10 @@ async def cmd_drain_local(args: argparse.Namespace) -> int:
     over its loopback-only control port and wait for the answer (sent once no run is held)."""
     from agentrun.worker.process import CONTROL_HOST
 
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be the worker's --control-port, between 1 "
+                          f"and 65535 ({CONTROL_PORT_ENV})")
+    _check_seconds("--timeout", args.timeout)
     url = f"http://{CONTROL_HOST}:{args.port}/drain"
     try:
         status, body = await asyncio.to_thread(_post, url, args.timeout)
@@ -1347,13 +1380,31 @@ def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentP
     return p
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+
+
+def _one_of(values: tuple[str, ...], env: str, fold: Callable[[str], str]) -> Callable[[str], str]:
+    """An argparse type: ``values`` only, from the flag or from $``env`` (argparse checks a
+    default from the environment against no ``choices``: AGENTRUN_LOG_LEVEL=bogus was a
+    traceback at start-up, AGENTRUN_LOG_FORMAT=bogus silently text)."""
+    def check(value: str) -> str:
+        if fold(value) not in values:
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: must be {', '.join(values[:-1])} or {values[-1]} (${env})")
+        return fold(value)
+    return check
+
+
 def _log_options(s: argparse.ArgumentParser) -> None:
     s.add_argument(
-        "--log-format", choices=["text", "json"], default=_env("LOG_FORMAT", "text"),
-        help="json: one object a line, for a log collector ($AGENTRUN_LOG_FORMAT)",
+        "--log-format", type=_one_of(LOG_FORMATS, "AGENTRUN_LOG_FORMAT", str.lower),
+        default=_env("LOG_FORMAT", "text"),
+        help="text or json: one object a line, for a log collector ($AGENTRUN_LOG_FORMAT)",
     )
     s.add_argument(
-        "--log-level", default=_env("LOG_LEVEL", "INFO"),
+        "--log-level", type=_one_of(LOG_LEVELS, "AGENTRUN_LOG_LEVEL", str.upper),
+        default=_env("LOG_LEVEL", "INFO"),
         help="DEBUG, INFO, WARNING or ERROR ($AGENTRUN_LOG_LEVEL)",
     )
 

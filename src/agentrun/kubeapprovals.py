@@ -16,15 +16,19 @@ runs each call in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
 import kubernetes
+import urllib3
+import yaml
 from kubernetes.client.exceptions import ApiException
 
-from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError
+from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.manifests import API_VERSION, AgentRunApprovalSpec
 from agentrun.vocabulary import ApprovalDecision
 
@@ -103,6 +107,31 @@ def _api_error(exc: ApiException, what: str) -> KubeError:
     return KubeError(f"{what}: {exc.status} {' '.join(message.split())}")
 
 
+class KubeUnreachable(AgentrunError):
+    """The API server did not answer (refused, unknown host, timed out). Exit 3, as an
+    unreachable database."""
+
+    exit_code = DatabaseUnavailable.exit_code
+
+
+@contextlib.contextmanager
+def _reaching(server: str) -> Iterator[None]:
+    """urllib3's errors (the connection refused, a name that does not resolve) as one line:
+    they were a traceback of retries."""
+    try:
+        yield
+    except urllib3.exceptions.HTTPError as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise KubeUnreachable(f"cannot reach the Kubernetes API server {server} "
+                              f"({' '.join(str(reason).split())[:200]})") from None
+
+
+#: What reading a kubeconfig raises besides the client's own ConfigException: a file that is
+#: not UTF-8 text or not YAML was a traceback.
+KUBECONFIG_ERRORS = (kubernetes.config.ConfigException, OSError, UnicodeDecodeError,
+                     yaml.YAMLError)
+
+
 class KubeApprovals:
     """Approve or reject the call an AgentRun waits on, as an AgentRunApproval::
 
@@ -126,7 +155,7 @@ class KubeApprovals:
         try:
             kubernetes.config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=kubeconfig, context=context, client_configuration=config)
-        except (kubernetes.config.ConfigException, OSError) as exc:
+        except KUBECONFIG_ERRORS as exc:
             if kubeconfig or context:
                 raise ConfigError(f"kubeconfig: {' '.join(str(exc).split())}") from None
             try:
@@ -152,6 +181,10 @@ class KubeApprovals:
     def whoami(self) -> str:
         """The user name the API server authenticates these credentials as (what the admission
         policy compares ``spec.approver`` with)."""
+        with _reaching(self._client.configuration.host):
+            return self._whoami()
+
+    def _whoami(self) -> str:
         auth = kubernetes.client.AuthenticationV1Api(self._client)
         try:
             review = auth.create_self_subject_review(kubernetes.client.V1SelfSubjectReview(
@@ -182,6 +215,13 @@ class KubeApprovals:
     def decide(
         self, agent_run: str, seq: int | None, decision: ApprovalDecision, *,
         reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+    ) -> ApprovalOutcome:
+        with _reaching(self._client.configuration.host):
+            return self._decide(agent_run, seq, decision, reason=reason, timeout=timeout)
+
+    def _decide(
+        self, agent_run: str, seq: int | None, decision: ApprovalDecision, *,
+        reason: str | None, timeout: float,
     ) -> ApprovalOutcome:
         deadline = time.monotonic() + timeout
         if seq is None:
@@ -309,7 +349,7 @@ def _context_namespace(kubeconfig: str | None, context: str | None) -> str | Non
     try:
         contexts, current = kubernetes.config.list_kube_config_contexts(  # type: ignore[no-untyped-call]
             config_file=kubeconfig)
-    except (kubernetes.config.ConfigException, OSError):
+    except KUBECONFIG_ERRORS:
         return None
     chosen = next((c for c in contexts if c.get("name") == context), None) if context else current
     ns = ((chosen or {}).get("context") or {}).get("namespace")

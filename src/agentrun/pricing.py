@@ -139,9 +139,12 @@ def load_prices(path: str | None) -> PriceTable:
         return BUILT_IN
     where = f"--prices {path} (AGENTRUN_PRICES)"
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read it ({exc.strerror}); fix the path") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}); see "
+                          "docs/worker.md#prices") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

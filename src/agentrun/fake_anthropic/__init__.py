@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="scenario file (YAML or JSON), or the name of a built-in one (demo_migration)",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default: %(default)s")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                        help="0-65535, 0: any free one (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     return parser
@@ -78,6 +79,17 @@ async def _serve(scenario: Scenario, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await server.stop()
+
+
+def _port(value: str) -> int:
+    """A TCP port: out of range, bind() raised OverflowError past the OSError handled below."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port}: must be between 0 and 65535")
+    return port
 
 
 def main(argv: list[str] | None = None) -> int:
