@@ -1219,7 +1219,18 @@ class Store:
     ) -> None:
         """End the run (fenced). Raises :class:`RollbackRequested`, writing nothing, for a
         ``succeeded`` while a rollback was asked for: the caller rolls back instead."""
-        await self._fenced("finish_run", lease, status=status, result=result, error=error)
+        params = self._fence_params(lease)
+        params.update(status=status, result=result, error=error)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["finish_run"], params)
+            if await cur.fetchone() is not None:
+                return
+            state = await (await conn.execute(queries["fence_state"],
+                                              {"run_id": lease.run_id})).fetchone()
+            if state is not None and tuple(state) == ("running", lease.worker, lease.epoch, True):
+                # Still this lease's: only finish_run's rollback guard refuses that.
+                raise RollbackRequested(str(lease.run_id))
+            raise await self._fence_error(conn, lease)
 
     async def cancel(self, run_id: str | UUID, reason: str | None = None) -> tuple[Run, bool]:
         """Cancel a run that has not finished. Returns the run as it now is and whether this call
@@ -1768,10 +1779,6 @@ def _fence_error(row: dict[str, Any] | None, lease: Lease) -> Exception:
         return RunNotFound(rid)
     if row["status"] == "cancelled":
         return RunCancelled(rid)
-    if (row["status"] == "running" and row.get("rollback")
-            and (row["lease_owner"], row["lease_epoch"]) == (lease.worker, lease.epoch)):
-        # Still this lease's, so only finish_run's rollback guard can have refused it.
-        return RollbackRequested(rid)
     if row["lease_epoch"] != lease.epoch:
         return LeaseLost(
             rid,
