@@ -142,6 +142,15 @@ class PendingApproval(BaseModel):
         "one decision buys one more attempt, so a call whose approved re-run also died waits "
         "again on the same seq with the next attempt.",
     )
+    call: int | None = Field(
+        None, description="Which call of the step (a step may hold several that wait)."
+    )
+    decide: str | None = Field(
+        None,
+        max_length=64,
+        description="The value that decides this wait and no other: <seq>.<call>, or "
+        "<seq>.<call>.<attempt> after an unknown outcome (agentrun.dev/approve=<decide>).",
+    )
 
 
 class Condition(BaseModel):

@@ -62,6 +62,7 @@ from agentrun.operator.status import Cond, Event, now_iso, one_line, set_conditi
 from agentrun.store import Approval, Store
 from agentrun.supervise import describe, watch
 from agentrun.vocabulary import VERDICTS
+from agentrun.waits import WaitRef
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,8 @@ async def _decide(
         if prior is None:
             # The attempt as the store will record it, also for a wait that does not name it.
             pending = await store.waited_on(run.id)
-            if pending is not None and int(pending["seq"]) == spec.seq:
+            if pending is not None and int(pending["seq"]) == spec.seq and (
+                    not spec.wait.named or WaitRef.of(pending) == spec.wait):
                 # Which call this decides, written down before deciding: an operator killed
                 # right after the decision finds it in the store by these, and does not call
                 # its own recorded decision a refusal.
@@ -223,7 +225,7 @@ async def _decide(
                     Cond(CondType.APPLIED, False, Reason.APPROVAL_PENDING, "recording"), call=call)
                 await app.kube.patch_approval_status(namespace, name, uid, status)
             try:
-                await store.decide(run.id, spec.seq, decision, decided_by=spec.approver,
+                await store.decide(run.id, spec.wait, decision, decided_by=spec.approver,
                                    reason=spec.reason)
             except DatabaseUnavailable:
                 raise

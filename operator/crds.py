@@ -196,12 +196,17 @@ def approval_crd() -> dict[str, Any]:
             "rule": "self == oldSelf",
             "message": "spec is immutable: a decision is recorded once; create a new "
             "AgentRunApproval instead",
-        }
+        },
+        {
+            "rule": "!has(self.attempt) || has(self.call)",
+            "message": "attempt names an attempt of a call: set call too",
+        },
     ]
     status = structural(AgentRunApprovalStatus.model_json_schema(by_alias=True))
     columns = [
         ("AgentRun", "string", ".spec.agentRun", 0),
         ("Seq", "integer", ".spec.seq", 0),
+        ("Call", "integer", ".spec.call", 0),
         ("Decision", "string", ".spec.decision", 0),
         ("Approver", "string", ".spec.approver", 0),
         ("Phase", "string", ".status.phase", 0),

@@ -7,8 +7,9 @@
   condition (Accepted=False, AgentNotFound), one Warning Event and one log line, and a quiet
   retry every 15 s (by default), so creating the Agent later is enough.
 * resume (operator start): the object is tracked by the status mirror again.
-* annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>"``,
-  ``agentrun.dev/reject: "<seq>"``, ``agentrun.dev/retry: "true"`` (or a reason): acted on in
+* annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>.<call>"``,
+  ``agentrun.dev/reject: "<seq>.<call>"`` (the wait, as .status.pendingApproval.decide names
+  it), ``agentrun.dev/retry: "true"`` (or a reason): acted on in
   the store, then removed (consumed), with an Event saying what was done or why it was refused.
   The approve/reject annotations are unauthenticated (whoever may patch the AgentRun decides);
   ``approval_annotations=False`` refuses them. AgentRunApproval objects, whose approver the API
@@ -72,6 +73,7 @@ from agentrun.operator.status import (
 from agentrun.store import DB_ERRORS, K8sRef, Store
 from agentrun.supervise import describe, watch
 from agentrun.vocabulary import TERMINAL_STATUSES, VERDICTS
+from agentrun.waits import WaitRef
 
 log = logging.getLogger(__name__)
 
@@ -461,13 +463,7 @@ async def actions(
             else:
                 if not app.settings.approval_annotations:
                     raise ConfigError(ANNOTATIONS_OFF)
-                try:
-                    seq = int(value)
-                except ValueError:
-                    raise ConfigError(
-                        f"{key} must be the step number the run waits on (see .status."
-                        f"pendingApproval.seq), not {value!r}"
-                    ) from None
+                wait = WaitRef.parse(value, key)  # the call named: see agentrun/waits.py
                 decision = VERDICTS["approve" if key == APPROVE else "reject"]
                 # Consumed before it is acted on: kopf removes an annotation only after the
                 # handler returns, so an operator killed in between ran it again after its
@@ -478,14 +474,16 @@ async def actions(
                 if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
                     continue
                 try:
-                    call = await store.decide(run.id, seq, decision, decided_by=who)
+                    call = await store.decide(run.id, wait, decision, decided_by=who)
                 except DB_ERRORS as exc:
                     raise _not_recorded(exc) from None
-                crash_point("operator_after_annotation_decide", seq)
+                crash_point("operator_after_annotation_decide", wait.seq)
                 await app.event(ref, Event(
                     "Normal",
                     Reason.APPROVED if key == APPROVE else Reason.REJECTED,
-                    f"step {seq} ({call.get('tool')}) {decision} by {who}",
+                    one_line(f"step {wait.seq} call {call.get('call_index')} "
+                             f"({call.get('tool')}, wait {WaitRef.of(call)}) {decision} by {who}",
+                             1000),
                 ), run.id)
             log.info("AgentRun %s/%s: %s=%r applied", namespace, name, key, value,
                      extra={"run_id": str(run.id)})

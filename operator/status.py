@@ -18,6 +18,7 @@ from typing import Any, Literal
 from agentrun.cli_format import printable
 from agentrun.operator.api import TERMINAL_REASONS, AgentRunStatus, CondType, Reason
 from agentrun.store import Quota, Run
+from agentrun.waits import WaitRef
 
 #: ``.status.result`` and ``.status.error`` are truncated to this: objects live in etcd, the full
 #: text in the store (``agentrun steps RUN``).
@@ -215,6 +216,8 @@ def status_for(
             "arguments": summarise_arguments(call.get("input")),
             "reason": one_line(run.wait_reason or "", 300),
             "attempt": int(call["attempt"]) if call.get("attempt") is not None else None,
+            "call": int(call.get("call_index") or 0),
+            "decide": str(WaitRef.of(call)),
         }
         if call
         else None,
@@ -258,16 +261,17 @@ class Snapshot:
     epoch: int
     worker: str | None
     attempt: int
-    #: The step a waiting run waits on, and the attempt of an outcome-unknown wait: a new wait
-    #: (approve, claim, the next irreversible call, or the same call's approved re-run dying
-    #: again, inside one flush window) shows only as a different seq or attempt.
-    pending_seq: int | None = None
-    pending_attempt: int | None = None
+    #: The wait a waiting run is stopped on (agentrun/waits.py's token: step, call and the
+    #: attempt of an outcome-unknown wait): a new wait (approve, claim, the step's next
+    #: irreversible call, or the same call's approved re-run dying again, inside one flush
+    #: window) shows only as a different token.
+    pending: str | None = None
 
     @classmethod
     def of(cls, run: Run) -> Snapshot:
-        seq, attempt = _pending(run)
-        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt, seq, attempt)
+        call = run.pending_call if run.status == "waiting_approval" else None
+        pending = str(WaitRef.of(call)) if call and call.get("seq") is not None else None
+        return cls(run.status, run.lease_epoch, run.lease_owner, run.attempt, pending)
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> Snapshot | None:
@@ -280,16 +284,9 @@ class Snapshot:
             -1,  # unknown: a claim seen later is told by the worker, not the epoch
             status.get("worker"),
             int(status.get("attempt") or 0),
-            int(pending["seq"]) if pending.get("seq") is not None else None,
-            int(pending["attempt"]) if pending.get("attempt") is not None else None,
+            # A status written before the token existed: its wait is told again, once.
+            str(pending["decide"]) if pending.get("decide") is not None else None,
         )
-
-
-def _pending(run: Run) -> tuple[int | None, int | None]:
-    call = run.pending_call if run.status == "waiting_approval" else None
-    if not call or call.get("seq") is None:
-        return None, None
-    return int(call["seq"]), (int(call["attempt"]) if call.get("attempt") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -330,17 +327,15 @@ def transitions(old: Snapshot | None, run: Run) -> list[Event]:
     if claimed_again or handed_unseen:
         out.append(_claim_event(run))
     waits_anew = new.status == "waiting_approval" and (
-        old is None or old.status != new.status or old.pending_seq != new.pending_seq
-        or old.pending_attempt != new.pending_attempt
+        old is None or old.status != new.status or old.pending != new.pending
     )
     if waits_anew:
-        call = run.pending_call or {}
+        wait = WaitRef.of(run.pending_call or {})  # the call named: see agentrun/waits.py
         out.append(Event(
             "Warning", Reason.WAITING_FOR_APPROVAL,
             one_line(f"{run.wait_reason or 'approval required'}; decide with: kubectl annotate "
                      f"agentrun {run.k8s_name} -n {run.k8s_namespace} "
-                     f"agentrun.dev/approve={call.get('seq')} "
-                     f"(or agentrun.dev/reject={call.get('seq')})", 1000),
+                     f"agentrun.dev/approve={wait} (or agentrun.dev/reject={wait})", 1000),
         ))
     elif new.status != (old.status if old else None):
         if new.status == "dead_letter":

@@ -24,6 +24,7 @@ from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
 from agentrun.store import Lease, Run, Store
 from agentrun.tools import ToolContext, ToolRegistry, tool
+from agentrun.waits import WaitRef
 from agentrun.worker.executor import RunExecutor, RunHandle, WaitForApproval
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
@@ -106,7 +107,9 @@ async def test_a_decision_after_a_re_run_that_timed_out_is_about_that_re_run(
     assert second["waiting"]["attempt"] == 2
     assert "(step 0, attempt 2) did not return within" in second["reason"]
     assert "run it once more (attempt 3)" in second["reason"]
-    rejected = await store.decide(run.id, 0, "rejected", decided_by="bob", reason="it went out")
+    # The step had a decision: the re-run's wait is named (a bare 0 could be a late one for 0.0.1).
+    rejected = await store.decide(run.id, WaitRef(0, 0, 2), "rejected", decided_by="bob",
+                                  reason="it went out")
     assert rejected["attempt"] == 2
     assert await approvals(store) == [
         ("outcome_unknown", 1, "approved", "alice"), ("outcome_unknown", 2, "rejected", "bob")]
@@ -124,7 +127,7 @@ async def test_a_wait_that_does_not_name_its_attempt_is_decided_for_its_intents(
     """A timeout's wait written by a worker from before the fix (no attempt in it), on a re-run:
     the decision goes to the attempt the intent counts, not to attempt 1."""
     run = await unnamed_attempt_wait(store)
-    decided = await store.decide(run.id, 0, "rejected", decided_by="bob")
+    decided = await store.decide(run.id, WaitRef(0, 0, 2), "rejected", decided_by="bob")
     assert decided["attempt"] == 2
     assert await approvals(store) == [
         ("outcome_unknown", 1, "approved", "alice"), ("outcome_unknown", 2, "rejected", "bob")]
@@ -150,7 +153,62 @@ async def test_a_decision_that_is_not_recorded_is_refused_and_the_run_still_wait
     with pytest.raises(ConfigError, match=(
             "attempt 1 of step 0 call 0 \\(wire_money, outcome unknown\\) was decided before; "
             "nothing was recorded and the run still waits")):
-        await store.decide(run.id, 0, "rejected", decided_by="bob")
+        await store.decide(run.id, WaitRef(0, 0, 1), "rejected", decided_by="bob")
     assert await approvals(store) == [("outcome_unknown", 1, "approved", "alice")]
     still = await store.get_run(run.id)
     assert still.status == "waiting_approval" and still.pending_call == pending
+
+
+async def test_a_late_bare_decision_never_decides_the_steps_next_wait(store: Store) -> None:
+    """Two humans see call 0 of step 0 wait. The first one's decision is recorded, and the run
+    goes on to the step's call 1, which waits in turn. The second human's ``0``, meant for call
+    0, once decided call 1 with nobody having looked at it. A bare step number is refused once
+    the step has a decision, and so is a named wait the run is not on; the wait to name is said,
+    nothing is recorded, and the run still waits."""
+    run, _ = await store.create_run("pay twice", AGENT)
+    _, lease = await claim(store, "w1")
+    first = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 1},
+             "stage": "before_call"}
+    await store.wait_for_approval(lease, "approval required", first)
+    assert (await store.decide(run.id, 0, "approved", decided_by="alice"))["call_index"] == 0
+    _, lease = await claim(store, "w2")
+    second = {**first, "call_index": 1, "input": {"amount": 1_000_000}}
+    await store.wait_for_approval(lease, "approval required", second)
+
+    for late, why in [
+        (0, "step 0 was decided before (approved by alice) and now waits on 0.1 (wire_money, "
+            "before call); name that wait to decide it (0.1); nothing was recorded"),
+        (WaitRef(0, 0), "waits on 0.1 (wire_money, before call), not 0.0; nothing was recorded"),
+        (WaitRef(0, 1, 1), "waits on 0.1 (wire_money, before call), not 0.1.1"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            await store.decide(run.id, late, "approved", decided_by="bob")
+        assert why in str(refused.value)
+    assert await approvals(store) == [("before_call", 1, "approved", "alice")]
+    still = await store.get_run(run.id)
+    assert still.status == "waiting_approval" and still.pending_call == second
+
+    decided = await store.decide(run.id, WaitRef(0, 1), "rejected", decided_by="bob")
+    assert (decided["call_index"], decided["input"]) == (1, {"amount": 1_000_000})
+    assert (await store.get_run(run.id)).status == "pending"
+
+
+@pytest.mark.parametrize("text", ["", "x", "3.", ".3", "3.1.0", "3.1.2.4", "-1", "3,1", "1e3",
+                                  "99999999999", "3.99999999999", "\u0663"])
+def test_a_wait_that_is_not_one_is_refused_in_one_line(text: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        WaitRef.parse(text, "agentrun.dev/approve")
+    message = str(refused.value)
+    assert message.startswith("agentrun.dev/approve must name the wait the run is stopped on")
+    assert message.endswith(f"not {text!r}") and "\n" not in message
+
+
+def test_a_wait_reads_back_as_it_is_written() -> None:
+    for text, ref in [("3", WaitRef(3)), ("3.1", WaitRef(3, 1)), (" 3.1.2 ", WaitRef(3, 1, 2)),
+                      ("0.0", WaitRef(0, 0))]:
+        assert WaitRef.parse(text, "WAIT") == ref
+        assert str(ref) == text.strip()
+    assert WaitRef.of({"seq": 3, "call_index": 1, "stage": "outcome_unknown", "attempt": 2}) == (
+        WaitRef(3, 1, 2))
+    assert WaitRef.of({"seq": 3, "call_index": 1, "stage": "before_call", "attempt": 1}) == (
+        WaitRef(3, 1))

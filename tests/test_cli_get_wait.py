@@ -230,10 +230,15 @@ async def test_get_and_reject_name_the_attempt_of_a_wait_that_does_not_name_it(
     got = run_cli("get", str(run.id), env=env)
     assert got.returncode == 0, got.stderr
     assert "wire_money (outcome unknown, attempt 2): agentrun approve" in got.stdout, got.stdout
-    rejected = run_cli("reject", str(run.id), "0", "--by", "bob", env=env)
+    # The step had alice's decision on attempt 1: get names the wait, a bare 0 is refused.
+    assert f"agentrun reject {run.id} 0.0.2" in got.stdout, got.stdout
+    bare = run_cli("reject", str(run.id), "0", "--by", "bob", env=env)
+    assert bare.returncode == 2, (bare.stdout, bare.stderr)
+    assert "name that wait to decide it (0.0.2); nothing was recorded" in bare.stderr, bare.stderr
+    rejected = run_cli("reject", str(run.id), "0.0.2", "--by", "bob", env=env)
     assert rejected.returncode == 0, rejected.stderr
     said = rejected.stdout
-    assert "(step 0, outcome unknown, attempt 2) rejected by bob" in said, said
+    assert "(step 0 call 0, outcome unknown, attempt 2) rejected by bob" in said, said
 
 
 async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
@@ -258,8 +263,8 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     fields = {k: v.strip() for k, v in fields.items()}
     assert fields["status"] == "waiting_approval"
     assert fields["approval"] == (
-        f"step 0, drop_table (outcome unknown, attempt 2): agentrun approve {run.id} 0 "
-        f"| agentrun reject {run.id} 0"
+        f"step 0 call 0, drop_table (outcome unknown, attempt 2): agentrun approve {run.id} "
+        f"0.0.2 | agentrun reject {run.id} 0.0.2"
     )
     assert fields["tokens"] == "120 in, 45 out, 800 cache read, 30 cache write"
     assert fields["cost"] == "$0.0123 (estimated)"

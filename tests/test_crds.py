@@ -120,10 +120,14 @@ def test_approval_crd_columns_immutable_spec_and_required_fields() -> None:
     # approvals (matching their creation) does not see.
     assert version["subresources"] == {"status": {}}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names[:6] == ["AgentRun", "Seq", "Decision", "Approver", "Phase", "Age"]
+    assert names[:7] == ["AgentRun", "Seq", "Call", "Decision", "Approver", "Phase", "Age"]
     schema = schema_of(crd)
     spec = schema["properties"]["spec"]
     assert spec["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+    # An attempt is of a call: the API server refuses one without the other (agentrun/waits.py).
+    assert spec["x-kubernetes-validations"][1]["rule"] == "!has(self.attempt) || has(self.call)"
+    assert spec["properties"]["call"]["minimum"] == 0
+    assert spec["properties"]["attempt"]["minimum"] == 1
     assert set(spec["required"]) == {"agentRun", "seq", "decision", "approver"}
     assert spec["properties"]["decision"]["enum"] == ["approve", "reject"]
     assert spec["properties"]["seq"]["minimum"] == 0

@@ -54,11 +54,13 @@ class User:
 
 
 def approval(agent_run: str, seq: int, decision: str, approver: str,
-             name: str | None = None, reason: str | None = None) -> dict[str, Any]:
+             name: str | None = None, reason: str | None = None, call: int | None = None,
+             attempt: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"agentRun": agent_run, "seq": seq, "decision": decision,
                             "approver": approver}
-    if reason is not None:
-        spec["reason"] = reason
+    for field, value in (("reason", reason), ("call", call), ("attempt", attempt)):
+        if value is not None:
+            spec[field] = value
     return {"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRunApproval",
             "metadata": {"name": name or f"{agent_run}-{decision}-{seq}"}, "spec": spec}
 
@@ -379,6 +381,78 @@ async def test_a_second_decision_made_after_the_first_applied_names_the_first(
     assert f"step 0 was decided first, approved by {alice.username}" in refused["message"], refused
 
 
+async def test_a_late_decision_never_lands_on_the_steps_next_wait(
+    kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
+    store: Store,
+) -> None:
+    """Two humans look at call 0 of step 0. The first one's ``approve=0`` is applied and the
+    run goes on to the step's second irreversible call. The second human's ``approve=0``, meant
+    for call 0 as well, then decided call 1, which nobody had looked at (found by a review on
+    2026-12-06). A decision names its wait now (``<seq>.<call>``, the status's
+    ``pendingApproval.decide``): a bare step number after the step's first decision is refused,
+    and so is a named wait the run is not on, by annotation and by object alike."""
+    alice = users("alice", "approver")
+    operator()
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    run = await waiting_run(kube, store, "migrate")
+
+    def status() -> dict[str, Any]:
+        return dict((kube.agentrun("migrate") or {}).get("status") or {})
+
+    def refusals() -> list[str]:
+        return [e["message"] for e in kube.events("migrate") if e["reason"] == "ActionRefused"]
+
+    first = status()["pendingApproval"]
+    assert (first["decide"], first["call"]) == ("0.0", 0), first
+    kube.annotate("migrate", {"agentrun.dev/approve": "0"})  # the step's first decision
+    await wait_run(store, run.id, lambda r: r.status == "pending", 15)
+    ((_, lease),) = (await store.with_lease_ttl(60).claim("default", "w2", 1)).claimed
+    second = {"seq": 0, "call_index": 1, "tool": "drop_table", "input": {"table": "orders_old"},
+              "stage": "before_call"}
+    await store.wait_for_approval(lease, "approval required before drop_table (step 0)", second)
+    await eventually(lambda: (status().get("pendingApproval") or {}).get("decide") == "0.1", 30,
+                     "the second wait mirrored")
+    await eventually(lambda: any("agentrun.dev/approve=0.1 " in e["message"]
+                                 for e in kube.events("migrate")), 10,
+                     "the waiting Event naming the second wait")
+
+    # The late bare decision, a stale named one, and the wrong stage of the right call.
+    late = {"0": "name that wait to decide it (0.1)",
+            "0.0": "waits on 0.1 (drop_table, before call), not 0.0",
+            "0.1.1": "waits on 0.1 (drop_table, before call), not 0.1.1"}
+    for value, why in late.items():
+        kube.annotate("migrate", {"agentrun.dev/approve": value})
+        await eventually(lambda w=why: any(w in m for m in refusals()), 15,
+                         f"approve={value} refused")
+    assert await store.get_approval(run.id, 0, 1, "before_call") is None
+    assert (await store.get_run(run.id)).status == "waiting_approval"
+
+    # By object: a bare seq is refused as well; one naming the call is applied.
+    policy_active(kube, alice)
+    code, out = alice.create_approval(approval("migrate", 0, "approve", alice.username,
+                                               name="late"))
+    assert code == 201, out
+    refused = await settled(kube, "late")
+    assert refused["phase"] == "Refused", refused
+    assert "name that wait to decide it (0.1)" in refused["message"], refused
+    # An attempt without its call is refused by the API server itself (the CRD's CEL rule).
+    code, out = alice.create_approval(approval("migrate", 0, "approve", alice.username,
+                                               name="no-call", attempt=1))
+    assert code == 422 and "attempt names an attempt of a call: set call too" in str(out), out
+    code, out = alice.create_approval(approval("migrate", 0, "reject", alice.username,
+                                               name="named", call=1, reason="keep it"))
+    assert code == 201, out
+    applied = await settled(kube, "named")
+    assert applied["phase"] == "Applied", applied
+    assert applied["call"] == {"tool": "drop_table", "index": 1, "stage": "before_call",
+                               "attempt": 1}
+    decided = await store.get_approval(run.id, 0, 1, "before_call")
+    assert decided is not None
+    assert (decided.decision, decided.decided_by) == ("rejected", alice.username)
+    first_call = await store.get_approval(run.id, 0, 0, "before_call")
+    assert first_call is not None and first_call.decision == "approved"  # untouched
+
+
 async def test_the_python_client_rejects_through_an_object_and_raises_when_refused(
     kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
     store: Store,
@@ -417,12 +491,13 @@ async def test_the_python_client_rejects_through_an_object_and_raises_when_refus
 def test_every_name_of_the_kind_reaches_it_with_its_columns(kube: Kube, form: str) -> None:
     me = json.loads(kube.kubectl("auth", "whoami", "-o", "json", namespaced=False).stdout)
     username = me["status"]["userInfo"]["username"]  # the policy of any release admits it
-    kube.apply_yaml(approval("one", 4, "reject", username, name="ok", reason="no"))
+    kube.apply_yaml(approval("one", 4, "reject", username, name="ok", reason="no", call=1))
     assert kube.kubectl("get", form, "-o", "name").stdout.split() == [
         "agentrunapproval.agentrun.dev/ok"]
     header, row = kube.kubectl("get", form, "ok").stdout.splitlines()
-    assert header.split() == ["NAME", "AGENTRUN", "SEQ", "DECISION", "APPROVER", "PHASE", "AGE"]
-    assert row.split()[:5] == ["ok", "one", "4", "reject", username]
+    assert header.split() == ["NAME", "AGENTRUN", "SEQ", "CALL", "DECISION", "APPROVER", "PHASE",
+                              "AGE"]
+    assert row.split()[:6] == ["ok", "one", "4", "1", "reject", username]
     assert "agentrunapproval.agentrun.dev/ok" in kube.kubectl(
         "get", "agentrun-all", "-o", "name").stdout.split()
     # Immutable: a decision is not edited.
@@ -498,8 +573,10 @@ async def test_a_wait_that_does_not_name_its_attempt_is_shown_as_the_attempt_dec
     await store.wait_for_approval(lease, "outcome unknown: drop_table timed out", call)
     await eventually(lambda: ((kube.agentrun("pay") or {}).get("status") or {}).get("phase")
                      == "waiting_approval", 15, "pay to show waiting_approval")
+    # The step had carol's decision: this one names its wait (a bare seq could be a late one).
     await decided_then_killed(kube, alice, first, approval("pay", 0, "reject", alice.username,
-                                                          name="stop", reason="it went out"))
+                                                          name="stop", reason="it went out",
+                                                          call=0, attempt=2))
     assert approval_status(kube, "stop")["call"]["attempt"] == 2
     operator()
     status = await settled(kube, "stop")

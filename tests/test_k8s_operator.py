@@ -426,7 +426,8 @@ async def test_approve_and_reject_annotations_unblock_a_waiting_run(
             lambda n=name: status(cluster, n).get("phase") == "waiting_approval", 10, "waiting")
         pending = status(cluster, name)["pendingApproval"]
         assert pending == {"seq": 0, "tool": "drop_table", "arguments": '{"table": "orders"}',
-                           "reason": "approval required before drop_table (step 0)"}
+                           "reason": "approval required before drop_table (step 0)",
+                           "call": 0, "decide": "0.0"}
         assert condition(cluster, name, "WaitingForApproval")["status"] == "True"  # type: ignore[index]
     await eventually(lambda: "WaitingForApproval" in cluster.reasons("approve-me"), 10, "event")
 
@@ -883,8 +884,8 @@ async def test_a_new_approval_wait_right_after_a_decision_gets_its_own_event(
     await store.wait_for_approval(lease, "approval required before drop_table (step 2)", call2)
     await eventually(lambda: cluster.reasons("twice").count("WaitingForApproval") == 2, 20,
                      "an Event for the second wait")
-    [second] = [e for e in cluster.events("twice") if "approve=2" in e["message"]]
-    assert f"kubectl annotate agentrun twice -n {cluster.namespace} agentrun.dev/approve=2" in (
+    [second] = [e for e in cluster.events("twice") if "approve=2.0 " in e["message"]]
+    assert f"kubectl annotate agentrun twice -n {cluster.namespace} agentrun.dev/approve=2.0 " in (
         second["message"])
 
 

@@ -21,6 +21,7 @@ import pytest
 from agentrun.errors import DatabaseUnavailable
 from agentrun.logs import RunIdFilter
 from agentrun.operator import approvals
+from agentrun.waits import WaitRef
 
 RUN_ID = uuid4()
 PENDING = {"seq": 3, "call_index": 0, "tool": "drop_table", "stage": "outcome_unknown",
@@ -62,10 +63,10 @@ class Scripted:
     async def no_approval(self, *args: Any) -> None:
         return None
 
-    async def decide(self, run_id: UUID, seq: int, decision: str, **_: Any) -> None:
+    async def decide(self, run_id: UUID, wait: WaitRef, decision: str, **_: Any) -> None:
         if self.answer == "refuse":
             raise DatabaseUnavailable("the database is unavailable")
-        self.decided.append((run_id, seq, decision))
+        self.decided.append((run_id, wait, decision))
 
     async def patch(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         self.patched.append(status)
@@ -94,7 +95,7 @@ async def test_the_approval_tasks_lines_about_a_run_carry_its_id(
         # In a task of its own, as the handler starts it (its run id stays in that task).
         await asyncio.create_task(approvals._apply(
             app, "ns", "ap", "ap-uid", spec, status, lambda: None))  # type: ignore[arg-type]
-    assert app.answers == [] and app.decided == [(RUN_ID, 3, "approved")]
+    assert app.answers == [] and app.decided == [(RUN_ID, WaitRef(3), "approved")]
     waiting = [r for r in caplog.records if "not applied yet" in r.getMessage()]
     applied = [r for r in caplog.records if "applied:" in r.getMessage()]
     assert len(waiting) == 1 and len(applied) == 1, caplog.text

@@ -20,6 +20,7 @@ from agentrun.store import (
     PromptVersion,
     Store,
 )
+from agentrun.waits import WaitRef
 
 AGENT = AgentSpec(
     model="claude-sonnet-4-5", system="You migrate databases carefully.", tools=["read_schema"]
@@ -359,7 +360,8 @@ async def test_each_decision_on_an_unknown_outcome_is_about_one_attempt(
         pending = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {},
                    "stage": "outcome_unknown", "attempt": attempt}
         await store.wait_for_approval(lease, "outcome unknown", pending)
-        decided = await store.decide(rid, 0, decision, decided_by=f"oncall{attempt}")
+        decided = await store.decide(rid, WaitRef(0, 0, attempt), decision,
+                                     decided_by=f"oncall{attempt}")
         assert decided["attempt"] == attempt
         ((_, lease),) = (await store.claim("default", f"w{attempt + 1}")).claimed
         if decision == "approved":  # the approved re-run is counted before the tool is called

@@ -74,6 +74,7 @@ from agentrun.store import (
 )
 from agentrun.tools import default_registry, load_tool_modules
 from agentrun.vocabulary import RUN_STATUSES, TERMINAL, VERDICTS, RunStatus
+from agentrun.waits import WaitRef
 from agentrun.worker.settings import (
     WorkerSettings,
     check_settings,
@@ -599,8 +600,8 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
     decision: Literal["approve", "reject"] = "approve" if args.command == "approve" else "reject"
     async with AsyncKubeApprovals(kubeconfig=args.kubeconfig, context=args.context,
                                   namespace=args.namespace) as kube:
-        outcome = await kube.decide(args.run, args.seq, decision, reason=args.reason,
-                                    timeout=args.timeout)
+        outcome = await kube.decide(args.run, WaitRef.parse(args.seq, "WAIT"), decision,
+                                    reason=args.reason, timeout=args.timeout)
     print(f"agentrunapproval/{outcome.name} in {outcome.namespace}: {outcome.phase}: "
           f"{printable(outcome.message)}")
     return 0
@@ -621,26 +622,28 @@ async def cmd_decide(args: argparse.Namespace) -> int:
     decision = VERDICTS["approve" if args.command == "approve" else "reject"]
     by = args.by or os.environ.get("USER") or "cli"
     abort = bool(getattr(args, "abort", False))
+    wait = WaitRef.parse(args.seq, "WAIT")
     async with await _open_store() as store:
         call = await store.decide(
-            args.run, args.seq, decision, decided_by=by, reason=args.reason, abort=abort
+            args.run, wait, decision, decided_by=by, reason=args.reason, abort=abort
         )
     rid = parse_run_id(args.run)  # as the store read it, not as typed (urn:uuid:..., {...})
     # --by is anyone's text: escaped on this one line (its newlines too), as every other view of
     # a run shows it; raw, it could clear the screen or forge a line of this output.
     by = printable(by).replace("\n", "\\n").replace("\t", "\\t")
+    decided = WaitRef.of(call)  # the wait as the store recorded it, also for a bare seq
     if abort:
         print(
-            f"run {rid}: {call['tool']} (step {args.seq}) rejected by {by}; the run "
-            "rolls back its compensable effects and fails"
+            f"run {rid}: {call['tool']} (step {decided.seq} call {decided.call}) rejected by "
+            f"{by}; the run rolls back its compensable effects and fails"
         )
         return 0
     stage = str(call["stage"]).replace("_", " ")
     if call["stage"] == "outcome_unknown":  # each decision is about one attempt of the call
         stage += f", attempt {int(call['attempt'])}"  # the one decide recorded
     print(
-        f"run {rid}: {call['tool']} (step {args.seq}, {stage}) {decision} by {by}; "
-        "the run resumes on the next claim"
+        f"run {rid}: {call['tool']} (step {decided.seq} call {decided.call}, {stage}) "
+        f"{decision} by {by}; the run resumes on the next claim"
     )
     return 0
 
@@ -1303,7 +1306,12 @@ def build_parser(worker_env: WorkerSettings | None = None) -> argparse.ArgumentP
     for name in ("approve", "reject"):
         s = sub.add_parser(name, help=f"{name} the tool call a waiting run is stopped on")
         s.add_argument("run", help="run id; with --kube, the AgentRun's name")
-        s.add_argument("seq", type=int, help="the step of the call (agentrun runs shows it)")
+        s.add_argument(
+            "seq", metavar="WAIT",
+            help="the wait decided, <seq>.<call> (or <seq>.<call>.<attempt> after an unknown "
+            "outcome), as `agentrun get` shows it; a bare <seq> only until the step's first "
+            "decision",
+        )
         s.add_argument("--reason", help="why, recorded with the decision")
         s.add_argument("--by", help="who decides (default: $USER; not with --kube)")
         s.add_argument(

@@ -11,6 +11,7 @@ from typing import Any
 from uuid import UUID
 
 from agentrun.store import Run, Step
+from agentrun.waits import WaitRef
 
 
 def age(ts: datetime | None) -> str:
@@ -140,13 +141,13 @@ def pending_text(run: Run, waited_on: dict[str, Any] | None = None) -> str | Non
     call = waited_on or run.pending_call
     if run.status != "waiting_approval" or not call:
         return None
-    seq = call.get("seq")
+    wait = WaitRef.of(call)  # the call named: a bare seq would also fit the step's next wait
     stage = str(call.get("stage", "")).replace("_", " ")
     if call.get("stage") == "outcome_unknown":
         stage += f", attempt {int(call.get('attempt') or 1)}"
     return (
-        f"step {seq}, {call.get('tool')} ({stage}): agentrun approve {run.id} {seq} "
-        f"| agentrun reject {run.id} {seq}"
+        f"step {wait.seq} call {wait.call}, {call.get('tool')} ({stage}): agentrun approve "
+        f"{run.id} {wait} | agentrun reject {run.id} {wait}"
     )
 
 

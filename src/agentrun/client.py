@@ -61,6 +61,7 @@ from agentrun.store import (
     parse_run_id,
 )
 from agentrun.vocabulary import RUN_STATUSES, RunStatus
+from agentrun.waits import WaitRef
 
 __all__ = ["RECHECK_INTERVAL", "AsyncClient", "Client", "WaitFor"]
 
@@ -322,15 +323,17 @@ class AsyncClient:
     async def approve(
         self,
         run_id: str | UUID,
-        seq: int | None = None,
+        seq: int | str | WaitRef | None = None,
         *,
         by: str | None = None,
         reason: str | None = None,
     ) -> dict[str, Any]:
-        """Approve the call the run waits on (``seq``: its step; None: whatever it waits on now).
-        The run resumes on its next claim. Returns the call decided (tool, input, seq, stage).
-        ``by`` defaults to $USER."""
-        rid, step = await self._pending_seq(run_id, seq)
+        """Approve the call the run waits on (``seq``: the wait, "<seq>.<call>" as ``agentrun
+        get`` shows it, or a bare step number, refused once the step had a decision (see
+        agentrun/waits.py); None: whatever it waits on now). The run resumes on its next claim.
+        Returns the call decided (tool, input, seq, call_index, stage). ``by`` defaults to
+        $USER."""
+        rid, step = await self._wait(run_id, seq)
         return await self.store.decide(
             rid, step, "approved", decided_by=_decided_by(by), reason=reason
         )
@@ -338,27 +341,35 @@ class AsyncClient:
     async def reject(
         self,
         run_id: str | UUID,
-        seq: int | None = None,
+        seq: int | str | WaitRef | None = None,
         *,
         by: str | None = None,
         reason: str | None = None,
         abort: bool = False,
     ) -> dict[str, Any]:
         """Reject the call the run waits on: the model is told it was rejected (and why) and the
-        run goes on; with ``abort`` the run rolls its compensable effects back and fails."""
-        rid, step = await self._pending_seq(run_id, seq)
+        run goes on; with ``abort`` the run rolls its compensable effects back and fails.
+        ``seq`` as for :meth:`approve`."""
+        rid, step = await self._wait(run_id, seq)
         return await self.store.decide(
             rid, step, "rejected", decided_by=_decided_by(by), reason=reason, abort=abort
         )
 
-    async def _pending_seq(self, run_id: str | UUID, seq: int | None) -> tuple[UUID, int]:
+    async def _wait(
+        self, run_id: str | UUID, seq: int | str | WaitRef | None
+    ) -> tuple[UUID, int | WaitRef]:
         rid = parse_run_id(run_id)
+        if isinstance(seq, str):
+            return rid, WaitRef.parse(seq, "seq")
         if seq is not None:
             return rid, seq
-        run = await self.store.get_run(rid)
-        if run.status != "waiting_approval" or run.pending_call is None:
+        # Whatever it waits on now, named whole: a bare step number read here would be refused
+        # on a step's second wait, and must not decide one nobody read.
+        pending = await self.store.waited_on(rid)
+        if pending is None:
+            run = await self.store.get_run(rid)
             raise ConfigError(f"run {rid} is not waiting for approval (it is {run.status})")
-        return rid, int(run.pending_call["seq"])
+        return rid, WaitRef.of(pending)
 
     async def list(
         self, *, pool: str | None = None, status: RunStatus | None = None, limit: int = 100

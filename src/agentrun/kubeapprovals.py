@@ -31,6 +31,11 @@ from kubernetes.client.exceptions import ApiException
 from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
 from agentrun.manifests import API_VERSION, AgentRunApprovalSpec
 from agentrun.vocabulary import ApprovalDecision
+from agentrun.waits import WaitRef
+
+#: Which wait a decision answers: "<seq>.<call>[.<attempt>]", a WaitRef, a bare step number,
+#: or None (the wait the AgentRun is stopped on now).
+Wait = str | WaitRef | int | None
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "agentrunapprovals"
@@ -197,38 +202,42 @@ class KubeApprovals:
         return str(user.username)
 
     def approve(
-        self, agent_run: str, seq: int | None = None, *, reason: str | None = None,
+        self, agent_run: str, seq: Wait = None, *, reason: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> ApprovalOutcome:
-        """Approve step ``seq`` of AgentRun ``agent_run`` (None: the step it waits on now);
+        """Approve wait ``seq`` of AgentRun ``agent_run`` ("<seq>.<call>", as its
+        .status.pendingApproval.decide names it; a bare step number is refused once the step
+        had a decision, see agentrun/waits.py; None: the wait it is stopped on now);
         returns once the operator applied it. Raises :class:`ApprovalRefused`,
         :class:`ApprovalTimeout`, :class:`KubeError`."""
         return self.decide(agent_run, seq, "approve", reason=reason, timeout=timeout)
 
     def reject(
-        self, agent_run: str, seq: int | None = None, *, reason: str | None = None,
+        self, agent_run: str, seq: Wait = None, *, reason: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> ApprovalOutcome:
         """As :meth:`approve`, rejecting: the model is told the call was rejected (and why)."""
         return self.decide(agent_run, seq, "reject", reason=reason, timeout=timeout)
 
     def decide(
-        self, agent_run: str, seq: int | None, decision: ApprovalDecision, *,
+        self, agent_run: str, seq: Wait, decision: ApprovalDecision, *,
         reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     ) -> ApprovalOutcome:
         with _reaching(self._client.configuration.host):
             return self._decide(agent_run, seq, decision, reason=reason, timeout=timeout)
 
     def _decide(
-        self, agent_run: str, seq: int | None, decision: ApprovalDecision, *,
+        self, agent_run: str, seq: Wait, decision: ApprovalDecision, *,
         reason: str | None, timeout: float,
     ) -> ApprovalOutcome:
         deadline = time.monotonic() + timeout
-        if seq is None:
-            seq = self.pending_seq(agent_run)
-        spec = AgentRunApprovalSpec(agent_run=agent_run, seq=seq, decision=decision,
+        wait = (self.pending_wait(agent_run) if seq is None
+                else WaitRef.parse(seq, "seq") if isinstance(seq, str)
+                else seq if isinstance(seq, WaitRef) else WaitRef(seq))
+        spec = AgentRunApprovalSpec(agent_run=agent_run, seq=wait.seq, call=wait.call,
+                                    attempt=wait.attempt, decision=decision,
                                     reason=reason, approver=self.whoami())
-        base = f"{agent_run[:_GENERATE_NAME - 12]}-{decision}-{seq}"[:_GENERATE_NAME - 1]
+        base = f"{agent_run[:_GENERATE_NAME - 12]}-{decision}-{wait.seq}"[:_GENERATE_NAME - 1]
         body = {
             "apiVersion": API_VERSION,
             "kind": "AgentRunApproval",
@@ -245,8 +254,9 @@ class KubeApprovals:
             raise ApprovalRefused(outcome)
         return outcome
 
-    def pending_seq(self, agent_run: str) -> int:
-        """The step AgentRun ``agent_run`` waits on (its .status.pendingApproval.seq)."""
+    def pending_wait(self, agent_run: str) -> WaitRef:
+        """The wait AgentRun ``agent_run`` is stopped on (its .status.pendingApproval), named
+        whole: a bare step number read here would be refused on a step's second wait."""
         try:
             obj: Any = self._custom.get_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, "agentruns", agent_run)
@@ -257,7 +267,9 @@ class KubeApprovals:
             phase = (obj.get("status") or {}).get("phase") or "not started"
             raise ConfigError(f"AgentRun {self.namespace}/{agent_run} is not waiting for "
                               f"approval (it is {phase})")
-        return int(pending["seq"])
+        if pending.get("decide"):
+            return WaitRef.parse(str(pending["decide"]), ".status.pendingApproval.decide")
+        return WaitRef(int(pending["seq"]))  # an operator before the token: the step alone
 
     def wait(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> ApprovalOutcome:
         """Until the operator marked approval ``name`` Applied or Refused (a watch of that one
@@ -323,21 +335,21 @@ class AsyncKubeApprovals:
         return await asyncio.to_thread(self.sync.whoami)
 
     async def approve(
-        self, agent_run: str, seq: int | None = None, *, reason: str | None = None,
+        self, agent_run: str, seq: Wait = None, *, reason: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     ) -> ApprovalOutcome:
         """See :meth:`KubeApprovals.approve`."""
         return await self.decide(agent_run, seq, "approve", reason=reason, timeout=timeout)
 
     async def reject(
-        self, agent_run: str, seq: int | None = None, *, reason: str | None = None,
+        self, agent_run: str, seq: Wait = None, *, reason: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     ) -> ApprovalOutcome:
         """See :meth:`KubeApprovals.reject`."""
         return await self.decide(agent_run, seq, "reject", reason=reason, timeout=timeout)
 
     async def decide(
-        self, agent_run: str, seq: int | None, decision: ApprovalDecision, *,
+        self, agent_run: str, seq: Wait, decision: ApprovalDecision, *,
         reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     ) -> ApprovalOutcome:
         return await asyncio.to_thread(

@@ -23,11 +23,13 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from agentrun.errors import ConfigError
 from agentrun.vocabulary import ApprovalDecision
+from agentrun.waits import MAX_SEQ, WaitRef
 
 API_VERSION = "agentrun.dev/v1alpha1"
 
@@ -352,8 +354,23 @@ class AgentRunApprovalSpec(_Spec):
     )
     seq: int = Field(
         ge=0,
-        le=10**9,
+        le=MAX_SEQ,
         description="The step the run waits on (its .status.pendingApproval.seq).",
+    )
+    call: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEQ,
+        description="The call of that step the run waits on (.status.pendingApproval.call). "
+        "Without it the decision is refused once the step has had one: it could be meant for "
+        "an earlier call of the step.",
+    )
+    attempt: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SEQ,
+        description="For an outcome-unknown wait (.status.pendingApproval.attempt), the attempt "
+        "decided; with call only.",
     )
     decision: ApprovalDecision = Field(
         description="approve: the call runs; reject: the model is told it was rejected."
@@ -367,6 +384,17 @@ class AgentRunApprovalSpec(_Spec):
         description="Who decides: must be the user creating the object, as the API server "
         "authenticated them (the chart's admission policy refuses any other name).",
     )
+
+    @model_validator(mode="after")
+    def _attempt_with_call(self) -> AgentRunApprovalSpec:
+        if self.attempt is not None and self.call is None:
+            raise ValueError("attempt names an attempt of a call: set call too")
+        return self
+
+    @property
+    def wait(self) -> WaitRef:
+        """The wait this decision answers."""
+        return WaitRef(self.seq, self.call, self.attempt)
 
 
 class Metadata(BaseModel):

@@ -83,6 +83,7 @@ from agentrun.vocabulary import (
     Verdict,
     rollback_reason,
 )
+from agentrun.waits import WaitRef, describe_wait
 
 log = logging.getLogger(__name__)
 
@@ -1377,7 +1378,7 @@ class Store:
     async def decide(
         self,
         run_id: str | UUID,
-        seq: int,
+        wait: int | WaitRef,
         decision: Verdict,
         *,
         decided_by: str,
@@ -1385,9 +1386,12 @@ class Store:
         abort: bool = False,
     ) -> dict[str, Any]:
         """Record a human decision on the call a run waits on; the run is claimable again.
-        ``abort`` (with a rejection) ends the run instead, compensating what it did.
-        Returns the call that was decided."""
+        ``wait``: the wait decided (agentrun/waits.py); a bare step number only while no
+        decision on that step is recorded. ``abort`` (with a rejection) ends the run instead,
+        compensating what it did. Returns the call that was decided."""
         rid = parse_run_id(run_id)
+        ref = wait if isinstance(wait, WaitRef) else WaitRef(wait)
+        seq = ref.seq
         async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(queries["pending_call"], {"run_id": rid})
@@ -1401,6 +1405,20 @@ class Store:
                 raise ConfigError(
                     f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
                 )
+            if ref.named and ref != WaitRef.of(pending):
+                raise ConfigError(f"run {rid} waits on {describe_wait(pending)}, not {ref}; "
+                                  "nothing was recorded")
+            if not ref.named:
+                # A bare step number may be a decision made on an earlier wait of this step,
+                # arriving after that one was decided: never applied to the wait that followed.
+                await cur.execute(queries["last_approval_on_step"], {"run_id": rid, "seq": seq})
+                first = await cur.fetchone()
+                if first is not None:
+                    raise ConfigError(
+                        f"run {rid}: step {seq} was decided before ({first['decision']} by "
+                        f"{first['decided_by']}) and now waits on {describe_wait(pending)}; "
+                        f"name that wait to decide it ({WaitRef.of(pending)}); nothing was "
+                        "recorded")
             attempt = int(pending["attempt"])
             await cur.execute(
                 queries["insert_approval"],

@@ -293,7 +293,7 @@ class Installed:
                     return False  # not mirrored yet
                 verdict = "reject" if done else "approve"
                 self.node.kubectl("annotate", "agentrun", run_name, "-n", NAMESPACE,
-                                  f"agentrun.dev/{verdict}={pending['seq']}")
+                                  f"agentrun.dev/{verdict}={pending['decide']}")
                 decided.append(f"{run_name}:{verdict}")
                 return False
             return all(r["status"] in ("succeeded", "failed", "cancelled", "dead_letter")
