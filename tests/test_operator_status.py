@@ -168,7 +168,7 @@ def test_a_status_read_back_without_its_null_fields_is_the_same_status() -> None
 def test_a_new_approval_wait_inside_one_flush_window_is_its_own_event() -> None:
     # B6: approve step 1 -> claim -> wait on step 3, all between two flushes: the mirror sees
     # waiting_approval twice, only the seq differs.
-    first = Snapshot("waiting_approval", 1, None, 1, 1)
+    first = Snapshot("waiting_approval", 1, None, 1, "1.0")
     again = run(status="waiting_approval", lease_epoch=2, attempt=1, next_seq=4,
                 wait_reason="approval required before drop_table (step 3)",
                 pending_call={"seq": 3, "tool": "drop_table", "input": {}})
@@ -176,6 +176,24 @@ def test_a_new_approval_wait_inside_one_flush_window_is_its_own_event() -> None:
     assert "approve=3" in transitions(first, again)[0].message
     same = Snapshot.of(again)
     assert reasons(same, again) == []
+
+
+def test_the_steps_next_call_waiting_inside_one_flush_window_is_its_own_event() -> None:
+    # Approve call 0 of step 0 -> claim -> call 1 of the same step waits, all between two
+    # flushes: only the call differs (the seq and the attempt are the same). It was no Event,
+    # and .status kept no trace of which call; the Event names the new wait.
+    call = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {}, "stage": "before_call",
+            "attempt": 1}
+    first = run(status="waiting_approval", lease_epoch=1, attempt=1, next_seq=1,
+                pending_call=call)
+    again = run(status="waiting_approval", lease_epoch=2, attempt=1, next_seq=1,
+                pending_call={**call, "call_index": 1})
+    assert reasons(Snapshot.of(first), again) == [("Warning", "WaitingForApproval")]
+    assert "agentrun.dev/approve=0.1 (or agentrun.dev/reject=0.1)" in (
+        transitions(Snapshot.of(first), again)[0].message)
+    status = status_for(again, db_up=True, previous=None, generation=1)
+    assert (status["pendingApproval"]["call"], status["pendingApproval"]["decide"]) == (1, "0.1")
+    assert reasons(Snapshot.from_status(status), again) == []
 
 
 def test_an_unknown_outcome_of_an_approved_re_run_is_a_new_wait_on_the_same_step() -> None:
