@@ -173,6 +173,34 @@ async def test_wait_on_a_cancelled_run_exits_5(
     assert out.strip() == f"run {rid} cancelled: not today"
 
 
+async def test_cancel_rollback_of_a_dead_letter_says_why_nothing_is_rolled_back(
+    tmp_path: Path, database_url: str, store: Store
+) -> None:
+    """A dead letter with compensations due rolls back (tests/test_compensations.py); one with
+    none, or one dead-lettered inside its rollback (a retry resumes that one), says so, exit 1,
+    and is left as it was."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    plain = submit(manifest(tmp_path, "dead-plain"), env)
+    mid = submit(manifest(tmp_path, "dead-mid-rollback"), env)
+    with psycopg.connect(database_url, autocommit=True) as conn:  # as the claim dead-letters
+        conn.execute("UPDATE agent_run SET status = 'dead_letter', finished_at = now(), "
+                     "error = 'dead-lettered' WHERE id = %s", [plain])
+        conn.execute("UPDATE agent_run SET status = 'dead_letter', finished_at = now(), "
+                     "error = 'dead-lettered', rollback_reason = 'cancelled: plans changed', "
+                     "rollback_end = 'cancelled' WHERE id = %s", [mid])
+    res = run_cli("cancel", plain, "--rollback", env=env)
+    assert (res.returncode, res.stdout) == (1, ""), res.stderr
+    assert res.stderr.strip() == (f"run {plain} was dead-lettered with nothing to roll back (no "
+                                  "compensable effect of it is left undone)")
+    res = run_cli("cancel", mid, "--rollback", env=env)
+    assert (res.returncode, res.stdout) == (1, ""), res.stderr
+    assert res.stderr.strip() == (
+        f"run {mid} was dead-lettered in the middle of its rollback (cancelled: plans changed); "
+        f"`agentrun retry {mid}` resumes it")
+    for rid in (plain, mid):
+        assert (await store.get_run(rid)).status == "dead_letter"
+
+
 async def test_cancel_rollback_of_a_run_rolling_back_already_says_how_it_ends(
     tmp_path: Path, database_url: str, store: Store
 ) -> None:

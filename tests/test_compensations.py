@@ -193,3 +193,44 @@ async def test_a_retry_finishes_a_rollback_that_ended_incomplete(store: Store, e
     # Rolled back whole: nothing is left to retry into.
     with pytest.raises(ConfigError, match="be retried"):
         await store.retry(run.id)
+
+
+async def test_cancel_rollback_undoes_what_a_dead_lettered_run_did(store: Store) -> None:
+    """A run whose workers died maxAttempts claims in a row is dead-lettered with its effects in
+    place. `cancel --rollback` refused it ("already finished"), a retry sends it back to the
+    model, and a restart starts afresh: nothing could undo its hold (found by an adversarial
+    review on 2026-12-06). The request now makes it pending with a fresh poison-run budget, and
+    the next claim runs its compensations only and ends it cancelled."""
+    ex, _, h = await recorded_hold(store, "release", max_attempts=1)
+    run = h.run
+    # Its worker dies; so does the next claim's, before it commits a step; the claim after
+    # that dead-letters the run (maxAttempts 1).
+    await expire(store, run.id)
+    assert len((await store.claim("default", "w2", 1)).claimed) == 1
+    await expire(store, run.id)
+    assert len((await store.claim("default", "w3", 1)).dead_lettered) == 1
+    assert (await store.get_run(run.id)).status == "dead_letter"
+
+    asked, requested = await store.request_rollback(run.id, "cancelled", "undo the hold")
+    assert requested is True
+    assert (asked.status, asked.rollback_reason, asked.rollback_end, asked.finished_at) == (
+        "pending", "cancelled: undo the hold", "cancelled", None)
+    assert asked.stalled_attempts == 0 and asked.claim_seq == asked.next_seq  # a fresh budget
+    ((run, lease),) = (await store.claim("default", "w4", 1)).claimed
+    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (
+        "cancelled", "cancelled: undo the hold; compensated: unhold for hold (step 0)")
+    assert await store.compensations_due(run.id) == []
+    assert [s.kind for s in await store.steps(run.id)] == ["model_turn", "compensation"]
+
+
+async def test_a_dead_letter_with_nothing_to_undo_is_left_as_it_is(store: Store) -> None:
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=["hold", "unhold"])
+    run, _ = await store.create_run("book a seat", agent, max_attempts=1)
+    assert len((await store.claim("default", "w1", 1)).claimed) == 1
+    await expire(store, run.id)
+    assert len((await store.claim("default", "w2", 1)).dead_lettered) == 1
+    now, requested = await store.request_rollback(run.id, "cancelled", "undo")
+    assert requested is False
+    assert (now.status, now.rollback_reason) == ("dead_letter", None)

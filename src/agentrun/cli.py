@@ -675,6 +675,16 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.rollback and run.status == "dead_letter":
+        print(
+            f"run {run.id} was dead-lettered in the middle of its rollback "
+            f"({printable(run.rollback_reason)}); `agentrun retry {run.id}` resumes it"
+            if run.rollback_reason is not None
+            else f"run {run.id} was dead-lettered with nothing to roll back (no compensable "
+            "effect of it is left undone)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"run {run.id} already finished ({run.status}); nothing to cancel", file=sys.stderr)
     return 1
 

@@ -1454,15 +1454,20 @@ class Store:
         self, run_id: str | UUID, end: RollbackEnd, why: str | None = None
     ) -> tuple[Run, bool]:
         """Ask for the run's compensations to run and the run to end as ``end`` (see
-        queries.sql; stored beside the reason, migration 0016). Returns the run and whether the
-        request was recorded (False: already finished, or rolling back already, on a request
-        whose reason and end stand)."""
+        queries.sql; stored beside the reason, migration 0016). A dead-lettered run with
+        compensations due rolls back too. Returns the run and whether the request was recorded
+        (False: already finished, or rolling back already, on a request whose reason and end
+        stand)."""
         rid = parse_run_id(run_id)
         reason = rollback_reason(end, why)
+        # Read first, not in the statement: only a dead letter needs it, and a finished run's
+        # effects do not change (a live one's are the holder's to roll back whatever this says).
+        rollback_due = bool(await self.compensations_due(rid))
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=known_row_and(Run, "requested_now"))
             await cur.execute(queries["request_rollback"],
-                              {"run_id": rid, "reason": reason, "end": end})
+                              {"run_id": rid, "reason": reason, "end": end,
+                               "rollback_due": rollback_due})
             row = await cur.fetchone()
         if row is None:
             return await self.get_run(rid), False

@@ -604,19 +604,30 @@ SELECT r.status, r.pending_call,
 -- The first request's reason and end stay. requested_now says whether this one set them: false,
 -- the run was rolling back already, and ends as that rollback said (the CLI said "ends cancelled"
 -- of a run that then ended failed, and dropped the second reason without a word).
+-- A dead-lettered run (its workers died maxAttempts claims in a row) never rolled back: its
+-- done compensable effects (%(rollback_due)s: Store.request_rollback reads compensations_due)
+-- stayed done, and nothing could undo them. It becomes pending with a fresh poison-run budget
+-- (as a retry gives it), and the next claim runs its compensations only, then ends it as asked.
+-- One dead-lettered in the middle of a rollback keeps that rollback: a retry resumes it.
 WITH before AS (
     SELECT id, rollback_reason IS NULL AS requested_now FROM agent_run
-     WHERE id = %(run_id)s AND status IN ('pending', 'running', 'waiting_approval')
+     WHERE id = %(run_id)s
+       AND (status IN ('pending', 'running', 'waiting_approval')
+            OR (status = 'dead_letter' AND rollback_reason IS NULL AND %(rollback_due)s))
        FOR NO KEY UPDATE
 )
 UPDATE agent_run r
    SET rollback_reason = coalesce(r.rollback_reason, %(reason)s),
        rollback_end = coalesce(r.rollback_end, %(end)s),
-       status = CASE WHEN r.status = 'waiting_approval' THEN 'pending' ELSE r.status END,
+       status = CASE WHEN r.status IN ('waiting_approval', 'dead_letter') THEN 'pending'
+                     ELSE r.status END,
        wait_reason = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.wait_reason END,
-       pending_call = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.pending_call END
+       pending_call = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.pending_call END,
+       stalled_attempts = CASE WHEN r.status = 'dead_letter' THEN 0 ELSE r.stalled_attempts END,
+       claim_seq = CASE WHEN r.status = 'dead_letter' THEN r.next_seq ELSE r.claim_seq END,
+       finished_at = CASE WHEN r.status = 'dead_letter' THEN NULL ELSE r.finished_at END
   FROM before
- WHERE r.id = before.id AND r.status IN ('pending', 'running', 'waiting_approval')
+ WHERE r.id = before.id
 RETURNING r.*, before.requested_now;
 
 -- k8s_runs_by_id --
