@@ -24,7 +24,7 @@ import pytest
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
-from agentrun.store import Store
+from agentrun.store import Run, Store
 from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
@@ -131,6 +131,16 @@ async def expire(store: Store, run_id: Any) -> None:
                            "updated_at = now() WHERE id = %s", [run_id])
 
 
+async def next_claim_ends(store: Store, ex: RunExecutor, worker: str) -> Run:
+    """The next claim's go at the (only) run, which ends it: the run as it ended, every
+    compensation done."""
+    ((run, lease),) = (await store.claim("default", worker, 1)).claimed
+    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
+    done = await store.get_run(run.id)
+    assert await store.compensations_due(run.id) == []
+    return done
+
+
 async def test_a_retry_of_a_run_dead_lettered_in_its_rollback_resumes_the_rollback(
     store: Store,
 ) -> None:
@@ -153,12 +163,9 @@ async def test_a_retry_of_a_run_dead_lettered_in_its_rollback_resumes_the_rollba
     assert retried.retried_as() == (
         "it resumes its rollback (cancelled: plans changed) with a fresh budget of 1 attempts, "
         "then ends cancelled")
-    ((run, lease),) = (await store.claim("default", "w4", 1)).claimed
-    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
-    done = await store.get_run(run.id)
+    done = await next_claim_ends(store, ex, "w4")
     assert (done.status, done.error) == (
         "cancelled", "cancelled: plans changed; compensated: unhold for hold (step 0)")
-    assert await store.compensations_due(run.id) == []
 
 
 @pytest.mark.parametrize("end", ["failed", "cancelled"])
@@ -185,11 +192,8 @@ async def test_a_retry_finishes_a_rollback_that_ended_incomplete(store: Store, e
     assert (retried.status, retried.rollback_reason, retried.rollback_end) == (
         "pending", why, end)
     assert retried.retried_as().startswith(f"it resumes its rollback ({why})")
-    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
-    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
-    done = await store.get_run(run.id)
+    done = await next_claim_ends(store, ex, "w2")
     assert (done.status, done.error) == (end, f"{why}; compensated: unhold for hold (step 0)")
-    assert await store.compensations_due(run.id) == []
     # Rolled back whole: nothing is left to retry into.
     with pytest.raises(ConfigError, match="be retried"):
         await store.retry(run.id)
@@ -216,12 +220,9 @@ async def test_cancel_rollback_undoes_what_a_dead_lettered_run_did(store: Store)
     assert (asked.status, asked.rollback_reason, asked.rollback_end, asked.finished_at) == (
         "pending", "cancelled: undo the hold", "cancelled", None)
     assert asked.stalled_attempts == 0 and asked.claim_seq == asked.next_seq  # a fresh budget
-    ((run, lease),) = (await store.claim("default", "w4", 1)).claimed
-    assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
-    done = await store.get_run(run.id)
+    done = await next_claim_ends(store, ex, "w4")
     assert (done.status, done.error) == (
         "cancelled", "cancelled: undo the hold; compensated: unhold for hold (step 0)")
-    assert await store.compensations_due(run.id) == []
     assert [s.kind for s in await store.steps(run.id)] == ["model_turn", "compensation"]
 
 
