@@ -52,6 +52,7 @@ from agentrun.operator.api import (
     APPROVE,
     CANCEL,
     GROUP,
+    REJECT,
     RETRY,
     VERSION,
     CondType,
@@ -424,6 +425,9 @@ async def actions(
         raise kopf.TemporaryError(RUN_NOT_CREATED,
                                   delay=min(2.0 ** retry, app.settings.agent_retry_delay))
     who = f"annotation on AgentRun {namespace}/{name}"
+    # Both decisions in one look (two humans a moment apart, or one patch setting both): which
+    # one was meant is not the operator's to guess. Approve was taken, silently, before.
+    both = APPROVE in annotations and REJECT in annotations
     for key in ACTIONS:
         if key not in annotations:
             continue
@@ -464,6 +468,11 @@ async def actions(
                 if not app.settings.approval_annotations:
                     raise ConfigError(ANNOTATIONS_OFF)
                 wait = WaitRef.parse(value, key)  # the call named: see agentrun/waits.py
+                if both:
+                    other = REJECT if key == APPROVE else APPROVE
+                    raise ConfigError(
+                        f"set together with {other}={str(annotations[other]).strip()!r}: "
+                        "nothing was decided; set one of them again")
                 decision = VERDICTS["approve" if key == APPROVE else "reject"]
                 # Consumed before it is acted on: kopf removes an annotation only after the
                 # handler returns, so an operator killed in between ran it again after its

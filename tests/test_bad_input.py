@@ -102,6 +102,14 @@ CLI_CASES: list[tuple[list[str], dict[str, str], int, str]] = [
     (["approve", "my-run", "3", "--kubeconfig", BINARY], {}, 2, "kubeconfig: 'utf-8' codec"),
     (["approve", "my-run", "3", "--kubeconfig", "KUBECONFIG"], {}, 3,
      "cannot reach the Kubernetes API server http://127.0.0.1:1 ("),
+    # Found on 2026-12-06: accepted, or refused as "cannot be reached" (exit 3).
+    (["worker", "--worker-id", ""], {}, 2,
+     "--worker-id '' (AGENTRUN_WORKER_ID): must be 1 to 253 printable characters, not blank"),
+    (["worker", "--worker-id", "w\x1b[2J"], {}, 2, "--worker-id 'w\\x1b[2J' (AGENTRUN_WORKER_ID)"),
+    (["worker", "--concurrency", "99999999999"], {}, 2,
+     "--concurrency 99999999999 (AGENTRUN_CONCURRENCY): must be at least 1 and at most 10000"),
+    (["runs"], {"AGENTRUN_DATABASE_URL": "postgresql://postgres@127.0.0.1:99999/postgres"}, 2,
+     "AGENTRUN_DATABASE_URL has port '99999', not a number from 1 to 65535"),
 ]
 
 

@@ -424,6 +424,12 @@ async def test_a_late_decision_never_lands_on_the_steps_next_wait(
         kube.annotate("migrate", {"agentrun.dev/approve": value})
         await eventually(lambda w=why: any(w in m for m in refusals()), 15,
                          f"approve={value} refused")
+    # Both decisions in one patch: neither is taken (approve won, silently, before).
+    kube.annotate("migrate", {"agentrun.dev/approve": "0.1", "agentrun.dev/reject": "0.1"})
+    for key, other in (("approve", "reject"), ("reject", "approve")):
+        await eventually(lambda k=key, o=other: any(
+            f"agentrun.dev/{k}='0.1': set together with agentrun.dev/{o}='0.1': nothing was "
+            "decided" in m for m in refusals()), 15, f"{key} refused beside {other}")
     assert await store.get_approval(run.id, 0, 1, "before_call") is None
     assert (await store.get_run(run.id)).status == "waiting_approval"
 

@@ -36,6 +36,8 @@ from agentrun.worker.liveness import DEFAULT_PROGRESS_BUDGET
 MAX_RETRY_AFTER = 300.0  # a provider's retry-after is honoured up to this many seconds
 #: The longest lease a worker may take (a day; values.schema.json's leaseTtlSeconds maximum).
 MAX_LEASE_TTL = 86_400
+MAX_CONCURRENCY = 10_000  # runs one worker holds at once
+MAX_WORKER_ID = 253  # a pod name's bound: the chart's default id is the pod's name
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,19 @@ def check_settings(s: WorkerSettings) -> None:
     if (problem := pool_problem(s.pool)) is not None:
         shown = repr(s.pool) if len(s.pool) <= 80 else f"{s.pool[:40]!r}... ({len(s.pool)} chars)"
         raise bad("--pool", shown, problem)
-    if s.concurrency < 1:
-        raise bad("--concurrency", s.concurrency, "must be at least 1 (runs held at once)")
+    if not 1 <= s.concurrency <= MAX_CONCURRENCY:
+        # Bounded above: the claim's LIMIT and the connection pool are sized by it, and 10**11
+        # failed deep in both.
+        raise bad("--concurrency", s.concurrency,
+                  f"must be at least 1 and at most {MAX_CONCURRENCY} (runs held at once)")
+    worker = s.worker_id
+    if not worker.strip() or len(worker) > MAX_WORKER_ID or not worker.isprintable():
+        # The lease owner and the key a worker's deaths are counted by: an empty one is every
+        # other misconfigured worker's too, a control character reaches every log and Event.
+        shown = repr(worker) if len(worker) <= 80 else f"{worker[:40]!r}... ({len(worker)} chars)"
+        raise bad("--worker-id", shown,
+                  f"must be 1 to {MAX_WORKER_ID} printable characters, not blank (default: "
+                  "host name and pid)")
     if not (finite(s.lease_ttl) and 1 <= s.lease_ttl <= MAX_LEASE_TTL):
         # Bounded above too: a lease past year 9999 is committed by the claim, then cannot be
         # read back (the worker died with a traceback), and never expires for anyone else.

@@ -236,9 +236,10 @@ def validate_database_url(url: str) -> str:
             "expected postgresql://USER@HOST:PORT/DB"
         ) from None
     port = str(params.get("port") or "")
-    if port and not all(p.isdigit() for p in port.split(",")):
+    if port and not all(p.isascii() and p.isdigit() and 1 <= int(p) <= 65535
+                        for p in port.split(",")):
         raise ConfigError(
-            f"{DATABASE_URL_ENV} has port {port!r}, not a number; "
+            f"{DATABASE_URL_ENV} has port {port!r}, not a number from 1 to 65535; "
             "expected postgresql://USER@HOST:PORT/DB"
         )
     return url
