@@ -212,3 +212,19 @@ def test_a_wait_reads_back_as_it_is_written() -> None:
         WaitRef(3, 1, 2))
     assert WaitRef.of({"seq": 3, "call_index": 1, "stage": "before_call", "attempt": 1}) == (
         WaitRef(3, 1))
+
+
+async def test_a_rejection_with_abort_asks_for_the_rollback(store: Store) -> None:
+    """reject --abort in the fast tier: the request shares request_rollback with cancel
+    --rollback, whose parameters grew (a dead letter's compensations due); it broke once with
+    only the process tier to notice."""
+    run, _ = await store.create_run("pay 100", AGENT)
+    _, lease = await claim(store, "w1")
+    pending = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 100},
+               "stage": "before_call"}
+    await store.wait_for_approval(lease, "approval required", pending)
+    decided = await store.decide(run.id, 0, "rejected", decided_by="bob", reason="no", abort=True)
+    assert decided["call_index"] == 0
+    after = await store.get_run(run.id)
+    assert (after.status, after.rollback_reason, after.rollback_end) == (
+        "pending", "rejected by bob: no", "failed")

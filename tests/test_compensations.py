@@ -24,9 +24,9 @@ import pytest
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
-from agentrun.store import Run, Store
+from agentrun.store import Lease, Run, Store
 from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
-from agentrun.worker.executor import RunExecutor, RunHandle
+from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
 from agentrun.worker.settings import RetryPolicy
@@ -35,6 +35,7 @@ TOOLS = ToolRegistry()
 RELEASE = threading.Event()  # set at the end of each test: a hung compensation's thread returns
 SEEN: list[bool] = []  # what each compensation saw of the fence
 FIXED: list[bool] = []  # non-empty: the service a "down_until_fixed" compensation needs is back
+UNKNOWN: list[bool] = []  # what each compensation was told of the undone call's outcome
 
 
 @tool(kind="non_idempotent", registry=TOOLS, compensate="unhold")
@@ -43,10 +44,23 @@ def hold(ctx: ToolContext, item: str, how: str) -> str:
     return f"held {item}"
 
 
+@tool(kind="irreversible", registry=TOOLS, compensate="unhold")
+def hold_for_good(ctx: ToolContext, item: str, how: str) -> str:
+    """Hold an item with no way to dedupe it (its intent is recorded before the call)."""
+    return f"held {item} for good"
+
+
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", on_error="abort")
+def grab(ctx: ToolContext, item: str, how: str) -> str:
+    """Grab an item; it fails, and its failure ends the run."""
+    raise RuntimeError(f"could not grab {item}")
+
+
 @tool(kind="idempotent", registry=TOOLS, timeout=0.2)
 def unhold(ctx: ToolContext, item: str, how: str) -> str:
     """Undo a hold: refuse it, hang past the timeout, or release it."""
     SEEN.append(ctx.fence is not None)
+    UNKNOWN.append(ctx.compensates_unknown)
     if how == "refuse":
         raise ToolError(f"the reservation service refused to release {item}")
     if how == "hang":
@@ -61,8 +75,15 @@ def hung_calls_released() -> Iterator[None]:
     RELEASE.clear()
     SEEN.clear()
     FIXED.clear()
+    UNKNOWN.clear()
     yield
     RELEASE.set()
+
+
+def executor(store: Store) -> RunExecutor:
+    metrics = WorkerMetrics()
+    return RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                       RetryPolicy(max_retries=0), is_draining=lambda: False)
 
 
 async def recorded_hold(
@@ -77,9 +98,8 @@ async def recorded_hold(
              "input": {"item": "seat", "how": how}}
     await store.append_step(lease, 0, "model_turn",
                             {"content": [block], "stop_reason": "tool_use"})
-    metrics = WorkerMetrics()
-    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
-                     RetryPolicy(max_retries=0), is_draining=lambda: False)
+    ex = executor(store)
+    metrics = ex.metrics
     h = RunHandle(run, lease, lease_ttl=60)
     result = await ex.call_tool(h, 0, 0, block, None)
     assert result["content"] == "held seat"
@@ -235,3 +255,73 @@ async def test_a_dead_letter_with_nothing_to_undo_is_left_as_it_is(store: Store)
     now, requested = await store.request_rollback(run.id, "cancelled", "undo")
     assert requested is False
     assert (now.status, now.rollback_reason) == ("dead_letter", None)
+
+
+async def one_call_turn(
+    store: Store, tool_name: str, **create: Any
+) -> tuple[Run, Lease, dict[str, Any]]:
+    """A claimed run whose step 0 is a model turn calling ``tool_name`` on the seat (the run may
+    call it and unhold); ``create``: more of create_run's arguments."""
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=[tool_name, "unhold"])
+    await store.create_run("book a seat", agent, **create)
+    ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
+    block = {"type": "tool_use", "id": "toolu_1", "name": tool_name,
+             "input": {"item": "seat", "how": "release"}}
+    return run, lease, block
+
+
+async def test_an_effect_of_unknown_outcome_is_compensated_and_says_so(store: Store) -> None:
+    """An irreversible compensable call with an intent and no outcome (its worker died inside
+    it), then a rollback: the intent was skipped and the run reported compensated with the effect
+    perhaps in place. It is compensated now, the compensation told the outcome is unknown."""
+    run, lease, block = await one_call_turn(store, "hold_for_good")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    await store.record_effect(lease, 0, 0, key="k", tool="hold_for_good",
+                              tool_kind="irreversible", state="intent",
+                              tool_input=block["input"], compensate="unhold")
+    await store.request_rollback(run.id, "cancelled", "plans changed")
+    await expire(store, run.id)
+    done = await next_claim_ends(store, executor(store), "w2")
+    assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
+                                         "unhold for hold_for_good (step 0, outcome unknown)")
+    assert UNKNOWN == [True]
+
+
+async def test_a_call_its_worker_died_inside_is_undone_after_a_dead_letter(
+    store: Store,
+) -> None:
+    """The mark of a compensable call, its worker lost inside it (no effect recorded), then a
+    dead letter: cancel --rollback finds something to undo and undoes it."""
+    run, lease, block = await one_call_turn(store, "hold", max_attempts=1)
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    # The turn's append carries the call's mark, as the worker sends it; then the worker dies.
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"},
+                            tool_call=ex.first_call_mark(h, 0, {"content": [block],
+                                                                 "stop_reason": "tool_use"}))
+    for worker in ("w2", "w3"):
+        await expire(store, run.id)
+        await store.claim("default", worker, 1)
+    assert (await store.get_run(run.id)).status == "dead_letter"
+    _, requested = await store.request_rollback(run.id, "cancelled", "undo the hold")
+    assert requested is True
+    done = await next_claim_ends(store, ex, "w4")
+    assert (done.status, done.error) == ("cancelled", "cancelled: undo the hold; compensated: "
+                                         "unhold for hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True]
+
+
+async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(store: Store) -> None:
+    """Its own mark names the call that raised: a failure, not an unknown outcome. Undoing it
+    would take back what never happened (a refund of a declined charge)."""
+    run, lease, block = await one_call_turn(store, "grab")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    with pytest.raises(RunFailed) as failed:
+        await ex.call_tool(h, 0, 0, block, None)
+    await ex.abort(h, str(failed.value))
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (
+        "failed", "tool grab failed: RuntimeError: could not grab seat")
+    assert UNKNOWN == [] and await store.compensations_due(run.id) == []

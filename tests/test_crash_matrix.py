@@ -383,6 +383,39 @@ async def test_reject_with_abort_compensates_and_fails_the_run(
     assert _effects(ledger_db, str(run.id)) == ["reserve:slot", "release:slot"]
 
 
+async def test_a_rollback_undoes_the_call_its_worker_was_killed_inside(
+    store: Store, workers: Workers, fake: FakeFactory, ledger_db: str
+) -> None:
+    """A reserve returned and its worker was SIGKILLed before recording it: the seat is held in
+    the ledger, and the store has no effect of it. `cancel --rollback` then skipped it: the run
+    ended cancelled with nothing compensated and the seat still held (found by an adversarial
+    review on 2026-12-06). The call's mark names it: the rollback undoes it, its compensation
+    told that the outcome is unknown."""
+    srv = fake({"name": "seat", "scripts": [{"name": "seat", "turns": [
+        {"content": [{"tool_use": {"name": "reserve", "input": {"item": "seat"}}}]},
+        {"content": [{"text": "booked"}]},
+    ]}]})
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    run, _ = await store.create_run(
+        "book a seat", AGENT.model_copy(update={"tools": ["reserve", "release"]}))
+    tools = str(TOOLS_DIR / "ledger_tools.py")
+    w0 = workers.start("w0", tools=tools, faults="after_tool_return@0")
+    assert w0.wait() == -signal.SIGKILL, w0.output()[-2000:]
+    assert _effects(ledger_db, str(run.id)) == ["reserve:seat"]
+    assert await store.effects(run.id, 0) == {}  # killed before the effect was recorded
+    res = run_cli("cancel", str(run.id), "--rollback", "--reason", "plans changed",
+                  env={"AGENTRUN_DATABASE_URL": ledger_db})
+    assert res.returncode == 0 and "rollback requested" in res.stdout, res.stderr
+    workers.start("w1", tools=tools)
+    done = await wait_run(store, run.id, lambda r: r.finished, 30)
+    assert done.status == "cancelled", done.error
+    assert done.error == ("cancelled: plans changed; compensated: release for reserve (step 0, "
+                          "outcome unknown)")
+    assert _effects(ledger_db, str(run.id)) == ["reserve:seat", "release:seat"]
+    [undo] = [s for s in await store.steps(run.id) if s.kind == "compensation"]
+    assert undo.payload["outcome_unknown"] is True
+
+
 #: Re-runs of an irreversible call whose outcome is unknown: after a first attempt killed after
 #: its tool returned, each decision in turn, with the fault armed in the worker that acts on it.
 RERUNS: dict[str, tuple[list[tuple[str, str]], int]] = {  # case -> (decisions, tool calls)

@@ -521,7 +521,8 @@ class RunExecutor:
             outcome = "compensation_failed"
             reason = f"{reason}; ROLLBACK INCOMPLETE, manual action needed: {exc}"
         undone = [
-            f"{s.payload['compensation']} for {s.payload['tool']} (step {s.payload['seq']})"
+            f"{s.payload['compensation']} for {s.payload['tool']} (step {s.payload['seq']}"
+            + (", outcome unknown)" if s.payload.get("outcome_unknown") else ")")
             for s in await self.store.steps(h.run.id)
             if s.kind == "compensation"
         ]
@@ -546,9 +547,10 @@ class RunExecutor:
             # Its own key, derived from the effect it undoes: a crash in the middle of the
             # rollback and the resume that follows hand the compensating tool the same key.
             key = hashlib.sha256(f"{effect.idempotency_key}:compensate".encode()).hexdigest()
+            unknown = effect.state != "done"  # an intent, or a call its worker died inside
             ctx = ToolContext(
                 h.run_id, effect.seq, effect.call_index, effect.compensate, key,
-                compensates_key=effect.idempotency_key, fence=h,
+                compensates_key=effect.idempotency_key, compensates_unknown=unknown, fence=h,
             )
             what = f"{effect.compensate} for {effect.tool} (step {effect.seq})"
             # Fenced and bounded as every call is: a hung compensation held the run for the
@@ -581,6 +583,8 @@ class RunExecutor:
             payload = {"seq": effect.seq, "call_index": effect.call_index, "tool": effect.tool,
                        "compensation": effect.compensate, "content": outcome.content,
                        "is_error": outcome.is_error}
+            if unknown:
+                payload["outcome_unknown"] = True
             await self._append(h, seq, "compensation", payload)
             log.warning("compensated %s (step %d) with %s", effect.tool, effect.seq,
                         effect.compensate)
@@ -613,9 +617,15 @@ class RunExecutor:
         """The mark of a call (queries.sql begin_tool_call), read by the next claim if this
         worker dies inside the call: the call of turn ``seq``, ``index``, whose outcome the step
         ``step`` records (default: the turn's results, seq + 1)."""
-        return {"worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
+        mark = {"worker": h.lease.worker, "epoch": h.lease.epoch, "tool": spec.name,
                 "seq": seq, "call_index": index, "step": seq + 1 if step is None else step,
                 "timeout": self._timeout(spec)}
+        if spec.compensate is not None:
+            # A call of a compensable tool is recorded only once it returns: a worker lost
+            # inside it leaves only this mark to say an effect may need undoing (queries.sql
+            # lost_call), so a rollback does not report the run compensated without it.
+            mark["compensate"] = spec.compensate
+        return mark
 
     def _count_retry(self, reason: str) -> None:
         self.metrics.model_retries.labels(reason).inc()

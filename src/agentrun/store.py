@@ -72,6 +72,7 @@ from agentrun.manifests import (
     pool_problem,
 )
 from agentrun.sql import queries
+from agentrun.tools import idempotency_key
 from agentrun.vocabulary import (
     TERMINAL_STATUSES,
     EffectState,
@@ -580,7 +581,9 @@ class Effect:
     idempotency_key: str
     tool: str
     tool_kind: str
-    state: str  # "intent" (called, outcome unknown) | "done"
+    # "intent" (called, outcome unknown) | "done" | "unrecorded" (its worker was lost inside the
+    # call before recording it: compensations_due only)
+    state: str
     result: dict[str, Any] | None
     input: dict[str, Any]
     compensate: str | None
@@ -1298,10 +1301,23 @@ class Store:
                 # already done): nothing to change.
 
     async def compensations_due(self, run_id: UUID) -> list[Effect]:
+        """The effects a rollback of the run undoes, newest first: those recorded (done, or an
+        intent whose outcome is unknown), and before them the compensable call a worker was lost
+        inside before recording it (state "unrecorded"; queries.sql lost_call), the newest."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=known_row(Effect))
             await cur.execute(queries["compensations_due"], {"run_id": run_id})
-            return await cur.fetchall()
+            due = await cur.fetchall()
+            lost = await (await conn.execute(queries["lost_call"], {"run_id": run_id})).fetchone()
+        if lost is None:
+            return due
+        seq, index, tool, compensate, turn = lost
+        calls = [b for b in (turn or {}).get("content", []) if b.get("type") == "tool_use"]
+        if index >= len(calls) or calls[index].get("name") != tool:
+            return due  # a mark that does not name this turn's call: nothing to go on
+        args = dict(calls[index].get("input") or {})
+        key = idempotency_key(str(run_id), seq, tool, args, index)
+        return [Effect(seq, index, key, tool, "", "unrecorded", None, args, compensate), *due]
 
     async def begin_rollback(
         self, lease: Lease, reason: str, end: RollbackEnd = "failed"
@@ -1444,8 +1460,10 @@ class Store:
             if abort:
                 why = rollback_reason("failed", f"rejected by {decided_by}" + (
                     f": {reason}" if reason else ""))
+                # The run waits (it is live): what a dead letter's request reads is not needed.
                 await cur.execute(queries["request_rollback"],
-                                  {"run_id": rid, "reason": why, "end": "failed"})
+                                  {"run_id": rid, "reason": why, "end": "failed",
+                                   "rollback_due": False})
             else:
                 await cur.execute(queries["resume_after_decision"], {"run_id": rid, "seq": seq})
         return dict(pending)

@@ -231,6 +231,10 @@ class ToolContext:
     # In a compensation: the idempotency key of the call being undone (what the remote system
     # knows the original effect by: the charge a refund must find). None otherwise.
     compensates_key: str | None = None
+    # In a compensation: the undone call's outcome was never recorded (its worker died inside
+    # it), so its effect may or may not exist. Look it up by compensates_key; nothing found is
+    # nothing to undo, not a failure.
+    compensates_unknown: bool = False
     # The worker's hold on the run. A worker that lost its lease (it was stopped, partitioned or
     # too slow, and another worker took the run) must stop acting: a long tool checks
     # lease_valid() / check_lease() before each step it cannot take back. None: always valid

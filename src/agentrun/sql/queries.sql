@@ -472,11 +472,14 @@ SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, 
 
 -- compensations_due --
 -- Effects that declared a compensation and have not been compensated yet, newest first (a saga
--- undoes in reverse order). A compensation step names the call it undid.
+-- undoes in reverse order). A compensation step names the call it undid. An intent without an
+-- outcome (an irreversible call its worker died inside) may have happened: it is due as well,
+-- and its compensation is told the outcome is unknown. Skipped, the rollback reported the run
+-- compensated with that effect perhaps in place.
 SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.result, e.input,
        e.compensate, e.attempts
   FROM tool_effect e
- WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state = 'done'
+ WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state IN ('done', 'intent')
    AND coalesce((e.result ->> 'is_error')::boolean, false) = false
    AND NOT EXISTS (
        SELECT 1 FROM agent_step s
@@ -484,6 +487,30 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
           AND (s.payload ->> 'seq')::int = e.seq
           AND (s.payload ->> 'call_index')::int = e.call_index)
  ORDER BY e.seq DESC, e.call_index DESC;
+
+-- lost_call --
+-- The call of a compensable tool whose worker was lost inside it, outcome never recorded: such a
+-- call is recorded only once it returns, so its mark (begin_tool_call: "compensate" names its
+-- undo) is all that says an effect may need undoing, with the lease_until the claim that found
+-- the worker dead added to it (agentrun_tool_loss_v1). Not once a later holder recorded it (a
+-- resume calls it again under the same key) or its compensation is logged. Its model turn, for
+-- the call's arguments.
+SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int AS call_index,
+       r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'compensate' AS compensate,
+       s.payload AS turn
+  FROM agent_run r
+  JOIN agent_step s ON s.run_id = r.id AND s.seq = (r.tool_call ->> 'seq')::int
+                   AND s.kind = 'model_turn'
+ WHERE r.id = %(run_id)s AND r.tool_call ? 'compensate' AND r.tool_call ? 'lease_until'
+   AND NOT EXISTS (
+       SELECT 1 FROM tool_effect e
+        WHERE e.run_id = r.id AND e.seq = (r.tool_call ->> 'seq')::int
+          AND e.call_index = (r.tool_call ->> 'call_index')::int)
+   AND NOT EXISTS (
+       SELECT 1 FROM agent_step c
+        WHERE c.run_id = r.id AND c.kind = 'compensation'
+          AND (c.payload ->> 'seq')::int = (r.tool_call ->> 'seq')::int
+          AND (c.payload ->> 'call_index')::int = (r.tool_call ->> 'call_index')::int);
 
 -- begin_rollback --
 -- Mark the run as rolling back (the first reason and end stay: a requested rollback's). Fenced.
