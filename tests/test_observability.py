@@ -160,3 +160,32 @@ def test_kopf_object_lines_keep_the_object_reference(root_logging: None) -> None
     assert line["msg"] == "created" and line["logger"] == "kopf.objects"
     text = object_line("text")
     assert text.endswith("kopf.objects: [team-a/triage-42] created"), text
+
+
+def test_a_text_line_is_one_line_whatever_its_message_holds(root_logging: None) -> None:
+    """libpq's errors span lines, and a model's or a user's text may hold a newline or an escape
+    sequence: each forged a line of its own (no timestamp, level or run id) or reached the
+    terminal of whoever tails the log. The message is escaped on its line; a traceback still
+    follows it."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(RunIdFilter())
+    handler.setFormatter(TextFormatter())
+    log = logging.getLogger("agentrun.test.oneline")
+    log.addHandler(handler)
+    try:
+        log.warning("connection failed: %s", "refused\n\tIs the server running?\r\n"
+                    "12:00:00.000 INFO    agentrun.worker: all clear\x1b[2J\x9b31m",
+                    extra={"run_id": "r-1"})
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("with a traceback")
+    finally:
+        log.removeHandler(handler)
+    first, *rest = out.getvalue().splitlines()
+    assert first.endswith(
+        "agentrun.test.oneline run=r-1: connection failed: refused\\n\tIs the server running?"
+        "\\r\\n12:00:00.000 INFO    agentrun.worker: all clear\\x1b[2J\\x9b31m"), first
+    assert rest[0].endswith("agentrun.test.oneline: with a traceback"), rest
+    assert rest[1] == "Traceback (most recent call last):" and rest[-1] == "ValueError: boom"

@@ -83,6 +83,16 @@ def _object_ref(record: logging.LogRecord) -> dict[str, Any] | None:
     return out or None
 
 
+#: What a text line shows as escapes: C0 controls but tab (newline and carriage return as \n and
+#: \r), DEL and C1 controls. A message is one line: libpq's errors span several, and a model's, a
+#: tool's or a user's text may hold a newline, which forged a line of its own (no timestamp, level
+#: or run id: a log pipeline files it as another record) or an escape sequence, which reached the
+#: terminal of whoever tails the log. A traceback still follows on lines of its own. (The JSON
+#: format escapes them already.)
+_LINE_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c != 0x09}
+_LINE_CONTROLS.update({0x0a: "\\n", 0x0d: "\\r"})
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, UTC).strftime("%H:%M:%S.%f")[:-3]
@@ -90,7 +100,7 @@ class TextFormatter(logging.Formatter):
         prefix = f"{ts} {record.levelname:<7} {record.name}"
         if run:
             prefix += f" run={run}"
-        msg = record.getMessage()
+        msg = record.getMessage().translate(_LINE_CONTROLS)
         if (ref := _object_ref(record)) and ref.get("name"):
             where = f"{ref['namespace']}/{ref['name']}" if ref.get("namespace") else ref["name"]
             msg = f"[{where}] {msg}"
