@@ -5,7 +5,7 @@ an AgentRun run again with every name of the kind (singular, plural, short).
 
 What is substituted, and only that: the namespace and release the docs call ``agentrun`` (the
 test's own, so a cluster of yours is not touched), the placeholders (``REGISTRY``, ``NAME``,
-``SEQ``/``<seq>``, ``run.yaml``) and ``--timeout=1h``. A documented command that no test runs
+``WAIT``/``<wait>``, ``run.yaml``) and ``--timeout=1h``. A documented command that no test runs
 fails :func:`test_every_documented_command_is_run_or_said_why_not`.
 """
 
@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from agentrun.store import Store
+from agentrun.waits import WaitRef
 from tests.helmtools import helm, kubectl
 from tests.kubekit import Operators, eventually
 from tests.realkube import CHART, ROOT, Kube, apply_crds
@@ -282,16 +283,17 @@ def docs_of(path: Path) -> list[DocCommand]:
     return commands_in(path)
 
 
-async def _waiting_run(shell: DocShell, kube: Kube, store: Store, name: str) -> int:
+async def _waiting_run(shell: DocShell, kube: Kube, store: Store, name: str) -> str:
     """Make the run of ``name`` wait for approval, as a worker would at an irreversible call,
-    and return the step it waits on. A run that is not waiting (cancelled by the command
-    before, or decided) is replaced: its AgentRun deleted and applied again."""
+    and return the wait a decision names (``<seq>.<call>``). A run that is not waiting
+    (cancelled by the command before, or decided) is replaced: its AgentRun deleted and applied
+    again."""
     def run_id() -> Any:
         return ((kube.agentrun(name) or {}).get("status") or {}).get("runId")
 
     run = await store.get_run(await eventually(run_id, 30, f"{name}'s run"))
     if run.status == "waiting_approval" and run.pending_call:
-        return int(run.pending_call["seq"])
+        return str(WaitRef.of(run.pending_call))
     assert kube.delete_agentrun(name) == 200
     shell.run("kubectl apply -f examples/migrate-orders.yaml")
     run = await store.get_run(await eventually(
@@ -306,7 +308,7 @@ async def _waiting_run(shell: DocShell, kube: Kube, store: Store, name: str) -> 
                                          f"(step {seq})", call)
     await eventually(lambda: ((kube.agentrun(name) or {}).get("status") or {}).get(
         "pendingApproval"), 30, "pendingApproval mirrored")
-    return int(seq)
+    return str(WaitRef.of(call))
 
 
 async def test_readme_install_and_first_run(
@@ -322,12 +324,12 @@ async def test_readme_install_and_first_run(
             ops = start_operator(shell, database_url, tmp_path)
 
     async def make_it_wait() -> None:
-        shell.subs["SEQ"] = str(await _waiting_run(shell, kube, store, "migrate-orders"))
+        shell.subs["WAIT"] = await _waiting_run(shell, kube, store, "migrate-orders")
 
     scenario = Scenario(shell, kube, store, before={
         r"^kubectl apply -f examples/": operator,
-        r"agentrun\.dev/approve=SEQ": make_it_wait,
-        r"agentrun\.dev/reject=SEQ": make_it_wait,
+        r"agentrun\.dev/approve=WAIT": make_it_wait,
+        r"agentrun\.dev/reject=WAIT": make_it_wait,
         r"pendingApproval": make_it_wait,
     })
     try:
@@ -339,7 +341,7 @@ async def test_readme_install_and_first_run(
         assert kube.deployment(f"{shell.release}-worker-default") is not None
         approved = await store.get_approval(
             (await store.get_run(kube.agentrun("migrate-orders")["status"]["runId"])).id,  # type: ignore[index]
-            int(shell.subs["SEQ"]), 0, "before_call")
+            WaitRef.parse(shell.subs["WAIT"], "WAIT").seq, 0, "before_call")
         assert approved is not None and approved.decision in ("approved", "rejected")
         # The release's NOTES.txt, as helm prints it after the install.
         notes = shell.run(f"helm get notes {shell.release} -n {shell.namespace}").stdout
@@ -348,7 +350,7 @@ async def test_readme_install_and_first_run(
         for c in note_cmds:
             if re.match(r"helm test ", c.text):  # NOT_RUN: its pod needs a node
                 continue
-            await scenario.run_all([DocCommand(c.where, c.text.replace("<seq>", "SEQ"))])
+            await scenario.run_all([DocCommand(c.where, c.text.replace("<wait>", "WAIT"))])
         # Upgrade and uninstall, as the README's prose gives them.
         await scenario.run_all([d for d in docs if "helm upgrade" in d.text])
         await scenario.run_all([d for d in docs if "helm uninstall" in d.text])
@@ -408,7 +410,7 @@ async def test_helm_doc_steering_and_uninstall(
     shell.subs["NAME"] = "migrate-orders"
 
     async def make_it_wait() -> None:
-        shell.subs["SEQ"] = str(await _waiting_run(shell, kube, store, "migrate-orders"))
+        shell.subs["WAIT"] = await _waiting_run(shell, kube, store, "migrate-orders")
 
     async def recreate() -> None:  # `kubectl delete agentrun NAME` ran before: apply it again
         if kube.agentrun("migrate-orders") is None:
@@ -423,7 +425,7 @@ async def test_helm_doc_steering_and_uninstall(
     removal = [d for d in docs if d not in steering]
     try:
         await Scenario(shell, kube, store, before={
-            r"approve=SEQ|reject=SEQ": make_it_wait,
+            r"approve=WAIT|reject=WAIT": make_it_wait,
             r"(annotate|describe|delete|get) (agentruns?|ar) NAME": recreate,
         }).run_all(steering)
         await stop_operator()
