@@ -194,7 +194,9 @@ async def test_a_late_bare_decision_never_decides_the_steps_next_wait(store: Sto
 
 
 @pytest.mark.parametrize("text", ["", "x", "3.", ".3", "3.1.0", "3.1.2.4", "-1", "3,1", "1e3",
-                                  "99999999999", "3.99999999999", "\u0663"])
+                                  "99999999999", "3.99999999999", "\u0663",
+                                  # past the AgentRunApproval's bounds: --kube tracebacked
+                                  "3.1000000001", "3.0.1000000001", "1000000001"])
 def test_a_wait_that_is_not_one_is_refused_in_one_line(text: str) -> None:
     with pytest.raises(ConfigError) as refused:
         WaitRef.parse(text, "agentrun.dev/approve")

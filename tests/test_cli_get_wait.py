@@ -269,6 +269,19 @@ async def test_get_and_reject_name_the_attempt_of_a_wait_that_does_not_name_it(
     assert "(step 0 call 0, outcome unknown, attempt 2) rejected by bob" in said, said
 
 
+async def test_a_refusal_naming_an_earlier_decider_shows_its_name_escaped(
+    database_url: str, store: Store
+) -> None:
+    """A bare step number after the step's first decision is refused naming who decided it: that
+    name is anyone's text (--by), and its bidirectional controls reordered the line."""
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    run = await unnamed_attempt_wait(store, decided_by="mallory\u202e)dexif( \u2066")
+    bare = run_cli("reject", str(run.id), "0", "--by", "bob", env=env)
+    assert bare.returncode == 2, (bare.stdout, bare.stderr)
+    assert "approved by mallory\\u202e)dexif( \\u2066)" in bare.stderr, bare.stderr
+    assert "\u202e" not in bare.stderr and "\u2066" not in bare.stderr
+
+
 async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     database_url: str, store: Store
 ) -> None:

@@ -178,10 +178,10 @@ class Workers:
             p.popen.wait()
 
 
-async def unnamed_attempt_wait(store: Store) -> Run:
+async def unnamed_attempt_wait(store: Store, decided_by: str = "alice") -> Run:
     """A run waiting on attempt 2 of an irreversible call (its intent's count) by a wait that
     does not name the attempt, as a worker of a release before attempts were named wrote it:
-    attempt 1 was approved and re-run, and that re-run timed out."""
+    attempt 1 was approved (by ``decided_by``) and re-run, and that re-run timed out."""
     run, _ = await store.create_run("pay 100", AGENT)
     (_, lease), = (await store.claim("default", "w1", 1)).claimed
     await store.record_effect(lease, 0, 0, key="k", tool="wire_money",
@@ -189,7 +189,7 @@ async def unnamed_attempt_wait(store: Store) -> Run:
     pending = {"seq": 0, "call_index": 0, "tool": "wire_money", "input": {"amount": 100},
                "stage": "outcome_unknown"}
     await store.wait_for_approval(lease, "outcome unknown", {**pending, "attempt": 1})
-    await store.decide(run.id, 0, "approved", decided_by="alice")
+    await store.decide(run.id, 0, "approved", decided_by=decided_by)
     (_, lease), = (await store.claim("default", "w2", 1)).claimed
     assert await store.retry_intent(lease, 0, 0, 1) == 2
     await store.wait_for_approval(lease, "outcome unknown: wire_money (step 0) timed out", pending)

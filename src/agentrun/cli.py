@@ -1533,8 +1533,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 def one_line(message: str) -> str:
     """An error message as one line: a newline or NUL from the input (a manifest's name, a task)
-    shown as its escape."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)
+    shown as its escape, and the bidirectional controls that would reorder the line around them
+    (an earlier decider's name in a refusal is anyone's text) as printable shows them."""
+    return printable(_CONTROL.sub(lambda m: repr(m.group())[1:-1], message))
 
 
 def _env(name: str, default: str) -> str:

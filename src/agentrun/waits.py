@@ -49,7 +49,8 @@ class WaitRef:
         m = _TOKEN.fullmatch(text.strip())
         seq, call, attempt = (None, None, None) if m is None else (
             int(g) if g is not None else None for g in m.groups())
-        if seq is None or seq > MAX_SEQ or (attempt is not None and attempt < 1):
+        if seq is None or any(p is not None and p > MAX_SEQ for p in (seq, call, attempt)) or (
+                attempt is not None and attempt < 1):
             raise ConfigError(
                 f"{what} must name the wait the run is stopped on as <seq>.<call> (or "
                 f"<seq>.<call>.<attempt> after an unknown outcome), as .status.pendingApproval"
