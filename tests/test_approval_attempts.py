@@ -230,3 +230,17 @@ async def test_a_rejection_with_abort_asks_for_the_rollback(store: Store) -> Non
     after = await store.get_run(run.id)
     assert (after.status, after.rollback_reason, after.rollback_end) == (
         "pending", "rejected by bob: no", "failed")
+
+
+async def test_a_wait_written_without_its_attempt_names_it_as_stored(store: Store) -> None:
+    """The operator mirrors the wait as stored: an older worker's outcome-unknown wait named no
+    attempt, so .status.pendingApproval.decide said 0.0.1 while the store decides attempt 2 (its
+    intent's), and that token, which AgentRunApprovals and `approve --kube` take from the
+    status, was refused. Migration 0022 completes such a wait as it is written."""
+    run = await unnamed_attempt_wait(store)
+    stored = (await store.get_run(run.id)).pending_call or {}
+    assert stored["attempt"] == 2 and WaitRef.of(stored) == WaitRef(0, 0, 2)
+    decided = await store.decide(run.id, WaitRef.of(stored), "rejected", decided_by="bob")
+    assert decided["attempt"] == 2
+    assert await approvals(store) == [
+        ("outcome_unknown", 1, "approved", "alice"), ("outcome_unknown", 2, "rejected", "bob")]

@@ -1255,8 +1255,8 @@ def test_notes_print_the_next_commands(tmp_path: Path) -> None:
         "kubectl apply -f examples/migrate-orders.yaml",
         "kubectl get agentruns",
         "kubectl annotate agentrun migrate-orders agentrun.dev/cancel=true",
-        "kubectl annotate agentrun migrate-orders agentrun.dev/approve=<seq>",
-        "kubectl annotate agentrun migrate-orders agentrun.dev/reject=<seq>",
+        "kubectl annotate agentrun migrate-orders agentrun.dev/approve=<wait>",
+        "kubectl annotate agentrun migrate-orders agentrun.dev/reject=<wait>",
         f"helm test {RELEASE} -n {NAMESPACE}",
     ):
         assert command in notes, command

@@ -150,6 +150,19 @@ BEGIN
 END;
 $_$;
 
+CREATE FUNCTION public.agentrun_wait_attempt_v1() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    NEW.pending_call := NEW.pending_call || jsonb_build_object('attempt', coalesce((
+        SELECT e.attempts FROM tool_effect e
+         WHERE e.run_id = NEW.id AND e.seq = (NEW.pending_call ->> 'seq')::int
+           AND e.call_index = (NEW.pending_call ->> 'call_index')::int
+           AND e.state = 'intent'), 1));
+    RETURN NEW;
+END
+$$;
+
 CREATE TABLE public.agent_run (
     id uuid DEFAULT gen_random_uuid() NOT NULL,
     external_key text,
@@ -374,6 +387,8 @@ CREATE TRIGGER agent_run_quota_release_on_delete AFTER DELETE ON public.agent_ru
 CREATE TRIGGER agent_run_rollback_end BEFORE INSERT OR UPDATE ON public.agent_run FOR EACH ROW WHEN (((new.rollback_reason IS NULL) <> (new.rollback_end IS NULL))) EXECUTE FUNCTION public.agentrun_rollback_end_v1();
 
 CREATE TRIGGER agent_run_tool_loss BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN (((old.lease_owner IS NOT NULL) AND (old.status = 'running'::text) AND (new.lease_epoch IS DISTINCT FROM old.lease_epoch))) EXECUTE FUNCTION public.agentrun_tool_loss_v1();
+
+CREATE TRIGGER agent_run_wait_attempt BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN ((((new.pending_call ->> 'stage'::text) = 'outcome_unknown'::text) AND (NOT (new.pending_call ? 'attempt'::text)))) EXECUTE FUNCTION public.agentrun_wait_attempt_v1();
 
 CREATE TRIGGER agent_step_append_only BEFORE DELETE OR UPDATE ON public.agent_step FOR EACH ROW EXECUTE FUNCTION public.agentrun_forbid_step_change_v1();
 
