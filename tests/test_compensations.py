@@ -26,6 +26,7 @@ from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
 from agentrun.store import Lease, Run, Store
 from agentrun.tools import ToolContext, ToolError, ToolRegistry, tool
+from agentrun.waits import WaitRef
 from agentrun.worker.executor import RunExecutor, RunFailed, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
@@ -36,6 +37,7 @@ RELEASE = threading.Event()  # set at the end of each test: a hung compensation'
 SEEN: list[bool] = []  # what each compensation saw of the fence
 FIXED: list[bool] = []  # non-empty: the service a "down_until_fixed" compensation needs is back
 UNKNOWN: list[bool] = []  # what each compensation was told of the undone call's outcome
+COMPENSATING = threading.Event()  # set once a compensation is running
 
 
 @tool(kind="non_idempotent", registry=TOOLS, compensate="unhold")
@@ -56,11 +58,18 @@ def grab(ctx: ToolContext, item: str, how: str) -> str:
     raise RuntimeError(f"could not grab {item}")
 
 
+@tool(kind="irreversible", registry=TOOLS, compensate="unhold", on_error="abort")
+def charge(ctx: ToolContext, item: str, how: str) -> str:
+    """Charge for an item; the card is declined, which fails the run."""
+    raise RuntimeError(f"card declined for {item}")
+
+
 @tool(kind="idempotent", registry=TOOLS, timeout=0.2)
 def unhold(ctx: ToolContext, item: str, how: str) -> str:
     """Undo a hold: refuse it, hang past the timeout, or release it."""
     SEEN.append(ctx.fence is not None)
     UNKNOWN.append(ctx.compensates_unknown)
+    COMPENSATING.set()
     if how == "refuse":
         raise ToolError(f"the reservation service refused to release {item}")
     if how == "hang":
@@ -76,6 +85,7 @@ def hung_calls_released() -> Iterator[None]:
     SEEN.clear()
     FIXED.clear()
     UNKNOWN.clear()
+    COMPENSATING.clear()
     yield
     RELEASE.set()
 
@@ -325,3 +335,106 @@ async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(store: St
     assert (done.status, done.error) == (
         "failed", "tool grab failed: RuntimeError: could not grab seat")
     assert UNKNOWN == [] and await store.compensations_due(run.id) == []
+
+
+async def test_an_irreversible_call_that_failed_its_run_here_is_not_undone(store: Store) -> None:
+    """Its intent was written before the call, and the failure that aborted the run left it
+    there: the rollback took it for an unknown outcome and undid a declined charge (found by an
+    adversarial review on 2026-12-06). The failure is recorded as its outcome now."""
+    run, lease, block = await one_call_turn(store, "charge")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    with pytest.raises(RunFailed) as failed:
+        await ex.call_tool(h, 0, 0, block, None)
+    await ex.abort(h, str(failed.value))
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (
+        "failed", "tool charge failed: RuntimeError: card declined for seat")
+    assert UNKNOWN == [] and await store.compensations_due(run.id) == []
+    assert (await store.effects(run.id, 0))[0].state == "done"
+
+
+async def lost_inside_hold(store: Store, how: str) -> tuple[RunExecutor, RunHandle]:
+    """A run whose worker w1 was lost inside its hold (step 0, compensated per ``how``), held
+    again by w2: the hold is due as an unrecorded effect."""
+    run, lease, block = await one_call_turn(store, "hold")
+    ex = executor(store)
+    turn = {"content": [block], "stop_reason": "tool_use"}
+    await store.append_step(lease, 0, "model_turn", {**turn, "content": [
+        {**block, "input": {"item": "seat", "how": how}}]},
+        tool_call=ex.first_call_mark(RunHandle(run, lease, lease_ttl=60), 0, turn))
+    await expire(store, run.id)
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    assert [e.state for e in await store.compensations_due(run.id)] == ["unrecorded"]
+    return ex, RunHandle(run, lease, lease_ttl=60)
+
+
+async def test_a_lost_call_whose_compensation_failed_stays_due(store: Store) -> None:
+    """The lost call's only record was the run's mark, which its compensation's own mark
+    replaced: a compensation that failed left ROLLBACK INCOMPLETE with nothing due, and a retry
+    went back to the model instead of finishing the rollback (found by an adversarial review on
+    2026-12-06). It is recorded, as an intent, before its compensation starts."""
+    ex, h = await lost_inside_hold(store, "down_until_fixed")
+    await ex.abort(h, "tool charge failed: card declined")
+    first = await store.get_run(h.run.id)
+    assert "ROLLBACK INCOMPLETE" in (first.error or ""), first.error
+    assert [(e.tool, e.state) for e in await store.compensations_due(h.run.id)] == [
+        ("hold", "intent")]
+    FIXED.append(True)
+    retried = await store.retry(h.run.id, "reservation service back")
+    assert retried.rolling_back, retried.retried_as()
+    done = await next_claim_ends(store, ex, "w3")
+    assert (done.status, done.error) == ("failed", "tool charge failed: card declined; "
+                                         "compensated: unhold for hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True, True]
+
+
+async def test_a_lost_call_whose_compensating_worker_died_is_still_undone(store: Store) -> None:
+    """The worker stops inside the lost call's compensation: its mark had replaced the lost
+    call's, and the next claim ended the rollback without it, reporting the run rolled back
+    (found by an adversarial review on 2026-12-06)."""
+    ex, h = await lost_inside_hold(store, "hang")
+    await store.request_rollback(h.run.id, "cancelled", "plans changed")
+    rolling = asyncio.create_task(ex.abort(h))
+    assert await asyncio.to_thread(COMPENSATING.wait, 60)  # it runs (hanging until RELEASE)
+    rolling.cancel()  # this worker stops here: nothing more of it is written
+    await asyncio.wait({rolling})
+    RELEASE.set()  # the next attempt's compensation returns at once
+    await expire(store, h.run.id)
+    done = await next_claim_ends(store, ex, "w3")
+    assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
+                                         "unhold for hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True, True]
+
+
+async def test_a_rejected_retry_of_an_unknown_outcome_is_still_undone(store: Store) -> None:
+    """A human rejects the re-run of an irreversible call whose outcome is unknown (not
+    --abort): it was recorded as an error, which a rollback skips, although the first attempt
+    may have taken effect (found by an adversarial review on 2026-12-06). The record says the
+    outcome is unknown; the model is shown the rejection alone."""
+    run, lease, block = await one_call_turn(store, "hold_for_good")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    await store.record_effect(lease, 0, 0, key="k", tool="hold_for_good",
+                              tool_kind="irreversible", state="intent",
+                              tool_input=block["input"], compensate="unhold")
+    await store.wait_for_approval(lease, "outcome unknown", {
+        "seq": 0, "call_index": 0, "tool": "hold_for_good", "input": block["input"],
+        "stage": "outcome_unknown", "attempt": 1})
+    await store.decide(run.id, WaitRef(0, 0, 1), "rejected", decided_by="bob", reason="unsure")
+    ex = executor(store)
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    told = await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, block,
+                              (await store.effects(run.id, 0))[0])
+    assert set(told) == {"type", "tool_use_id", "content", "is_error"}, told
+    # Resumed from the record (a worker died after it), the model is shown the same.
+    again = await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, block,
+                               (await store.effects(run.id, 0))[0])
+    assert again == told
+    assert [e.tool for e in await store.compensations_due(run.id)] == ["hold_for_good"]
+    await store.request_rollback(run.id, "cancelled", "undo everything")
+    await ex.abort(RunHandle(run, lease, lease_ttl=60))
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == ("cancelled", "cancelled: undo everything; compensated: "
+                                         "unhold for hold_for_good (step 0, outcome unknown)")
+    assert UNKNOWN == [True]

@@ -209,6 +209,15 @@ def non_finite(value: Any, path: str = "") -> str | None:
     return next((p for where, v in items if (p := non_finite(v, where)) is not None), None)
 
 
+#: Set in a recorded outcome, and in the compensation step that undid it, when the effect may or
+#: may not have happened (a rejected or failed re-run of an unknown outcome: the earlier attempt
+#: is unknown). queries.sql compensations_due reads it: such an effect is undone on a rollback,
+#: its compensation told (ctx.compensates_unknown).
+UNKNOWN_OUTCOME = "outcome_unknown"
+#: What a recorded outcome shows the model when it is reused (a tool_result block's fields).
+SHOWN = ("content", "is_error")
+
+
 def records_effects(spec: ToolSpec) -> bool:
     """Whether a call of this tool is recorded in tool_effect (see docs/side-effects.md)."""
     return (
@@ -522,7 +531,7 @@ class RunExecutor:
             reason = f"{reason}; ROLLBACK INCOMPLETE, manual action needed: {exc}"
         undone = [
             f"{s.payload['compensation']} for {s.payload['tool']} (step {s.payload['seq']}"
-            + (", outcome unknown)" if s.payload.get("outcome_unknown") else ")")
+            + (", outcome unknown)" if s.payload.get(UNKNOWN_OUTCOME) else ")")
             for s in await self.store.steps(h.run.id)
             if s.kind == "compensation"
         ]
@@ -547,7 +556,9 @@ class RunExecutor:
             # Its own key, derived from the effect it undoes: a crash in the middle of the
             # rollback and the resume that follows hand the compensating tool the same key.
             key = hashlib.sha256(f"{effect.idempotency_key}:compensate".encode()).hexdigest()
-            unknown = effect.state != "done"  # an intent, or a call its worker died inside
+            # An intent, a call its worker died inside, or a decided call whose earlier attempt
+            # may have taken effect.
+            unknown = effect.state != "done" or bool((effect.result or {}).get(UNKNOWN_OUTCOME))
             ctx = ToolContext(
                 h.run_id, effect.seq, effect.call_index, effect.compensate, key,
                 compensates_key=effect.idempotency_key, compensates_unknown=unknown, fence=h,
@@ -561,6 +572,14 @@ class RunExecutor:
             # runs sharing the worker each lost an attempt to it, until they dead-lettered.
             self._refuse_if_lost(h, effect.compensate)
             sent = time.monotonic()
+            if effect.state == "unrecorded":
+                # Recorded (as an intent: its outcome is unknown) before the mark below replaces
+                # the one that named it: a compensation that fails, or whose worker dies, leaves
+                # it due, not forgotten (a retry then went back to the model instead).
+                await self.store.record_effect(
+                    h.lease, effect.seq, effect.call_index, key=effect.idempotency_key,
+                    tool=effect.tool, tool_kind=effect.tool_kind, state="intent",
+                    tool_input=effect.input, compensate=effect.compensate)
             await self.store.begin_tool_call(
                 h.lease, self._mark(h, spec, effect.seq, effect.call_index, step=seq))
             self._committed(h, sent)
@@ -584,7 +603,7 @@ class RunExecutor:
                        "compensation": effect.compensate, "content": outcome.content,
                        "is_error": outcome.is_error}
             if unknown:
-                payload["outcome_unknown"] = True
+                payload[UNKNOWN_OUTCOME] = True
             await self._append(h, seq, "compensation", payload)
             log.warning("compensated %s (step %d) with %s", effect.tool, effect.seq,
                         effect.compensate)
@@ -624,7 +643,7 @@ class RunExecutor:
             # A call of a compensable tool is recorded only once it returns: a worker lost
             # inside it leaves only this mark to say an effect may need undoing (queries.sql
             # lost_call), so a rollback does not report the run compensated without it.
-            mark["compensate"] = spec.compensate
+            mark["compensate"], mark["kind"] = spec.compensate, spec.kind.value
         return mark
 
     def _count_retry(self, reason: str) -> None:
@@ -686,7 +705,9 @@ class RunExecutor:
         if recorded and effect is not None and effect.state == "done" and effect.result:
             log.info("seq %d call %d: %s already happened; reusing its recorded result",
                      turn_seq, index, name)
-            return {**result, **effect.result}
+            # What the model is shown of it: the record may say more (UNKNOWN_OUTCOME), which
+            # a tool_result block may not carry.
+            return {**result, **{k: v for k, v in effect.result.items() if k in SHOWN}}
         key = idempotency_key(h.run_id, turn_seq, name, args, index)
 
         async def record(state: EffectState, outcome: dict[str, Any] | None = None) -> None:
@@ -700,7 +721,10 @@ class RunExecutor:
         if spec.kind is ToolKind.IRREVERSIBLE:
             decided = await self._gate_irreversible(h, turn_seq, index, name, args, effect, spec)
             if decided is not None:
-                await record("done", decided)
+                # A rejected re-run of an unknown outcome (an intent is there): not called again,
+                # but the earlier attempt may have taken effect, and a rollback must undo it.
+                await record("done", decided if effect is None else {
+                    **decided, UNKNOWN_OUTCOME: True})
                 return {**result, **decided}
             if effect is None:
                 await record("intent")
@@ -712,10 +736,20 @@ class RunExecutor:
         # Progress while it lasts, up to its timeout (the call is cut off there anyway).
         with h.progress.working(f"tool {name}",
                                 deadline=time.monotonic() + self._timeout(spec)):
-            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
+            try:
+                outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
+            except RunFailed as failed:
+                if recorded:
+                    # Its failure is its outcome, recorded: an intent left behind was taken
+                    # for an unknown outcome, and the failing run's rollback undid the call
+                    # that had just failed (a refund of a declined charge).
+                    await record("done", {"content": str(failed), "is_error": True})
+                raise
         crash_point("after_tool_return", turn_seq)
         if recorded:
-            await record("done", outcome)
+            # An approved re-run that failed leaves the earlier attempt's outcome unknown.
+            await record("done", {**outcome, UNKNOWN_OUTCOME: True}
+                         if intent > 1 and outcome.get("is_error") else outcome)
         return {**result, **outcome}
 
     async def _gate_irreversible(

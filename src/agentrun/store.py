@@ -1311,13 +1311,13 @@ class Store:
             lost = await (await conn.execute(queries["lost_call"], {"run_id": run_id})).fetchone()
         if lost is None:
             return due
-        seq, index, tool, compensate, turn = lost
+        seq, index, tool, kind, compensate, turn = lost
         calls = [b for b in (turn or {}).get("content", []) if b.get("type") == "tool_use"]
         if index >= len(calls) or calls[index].get("name") != tool:
             return due  # a mark that does not name this turn's call: nothing to go on
         args = dict(calls[index].get("input") or {})
         key = idempotency_key(str(run_id), seq, tool, args, index)
-        return [Effect(seq, index, key, tool, "", "unrecorded", None, args, compensate), *due]
+        return [Effect(seq, index, key, tool, kind, "unrecorded", None, args, compensate), *due]
 
     async def begin_rollback(
         self, lease: Lease, reason: str, end: RollbackEnd = "failed"

@@ -475,12 +475,15 @@ SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, 
 -- undoes in reverse order). A compensation step names the call it undid. An intent without an
 -- outcome (an irreversible call its worker died inside) may have happened: it is due as well,
 -- and its compensation is told the outcome is unknown. Skipped, the rollback reported the run
--- compensated with that effect perhaps in place.
+-- compensated with that effect perhaps in place. So is an outcome recorded as an error that
+-- leaves an earlier attempt unknown (outcome_unknown: a rejected or failed re-run; executor.py
+-- UNKNOWN_OUTCOME); any other error is a call that did not take effect.
 SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.result, e.input,
        e.compensate, e.attempts
   FROM tool_effect e
  WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state IN ('done', 'intent')
-   AND coalesce((e.result ->> 'is_error')::boolean, false) = false
+   AND (coalesce((e.result ->> 'is_error')::boolean, false) = false
+        OR coalesce((e.result ->> 'outcome_unknown')::boolean, false))
    AND NOT EXISTS (
        SELECT 1 FROM agent_step s
         WHERE s.run_id = e.run_id AND s.kind = 'compensation'
@@ -496,12 +499,13 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
 -- resume calls it again under the same key) or its compensation is logged. Its model turn, for
 -- the call's arguments.
 SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int AS call_index,
-       r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'compensate' AS compensate,
-       s.payload AS turn
+       r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'kind' AS kind,
+       r.tool_call ->> 'compensate' AS compensate, s.payload AS turn
   FROM agent_run r
   JOIN agent_step s ON s.run_id = r.id AND s.seq = (r.tool_call ->> 'seq')::int
                    AND s.kind = 'model_turn'
- WHERE r.id = %(run_id)s AND r.tool_call ? 'compensate' AND r.tool_call ? 'lease_until'
+ WHERE r.id = %(run_id)s AND r.tool_call ? 'compensate' AND r.tool_call ? 'kind'
+   AND r.tool_call ? 'lease_until'
    AND NOT EXISTS (
        SELECT 1 FROM tool_effect e
         WHERE e.run_id = r.id AND e.seq = (r.tool_call ->> 'seq')::int
