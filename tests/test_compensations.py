@@ -321,10 +321,18 @@ async def test_a_call_its_worker_died_inside_is_undone_after_a_dead_letter(
     assert UNKNOWN == [True]
 
 
-async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(store: Store) -> None:
-    """Its own mark names the call that raised: a failure, not an unknown outcome. Undoing it
-    would take back what never happened (a refund of a declined charge)."""
-    run, lease, block = await one_call_turn(store, "grab")
+@pytest.mark.parametrize(("tool_name", "why"), [
+    ("grab", "could not grab seat"),  # its own mark names it: not a worker lost inside it
+    # Its intent was written before the call, and the failure left it there: the rollback took
+    # it for an unknown outcome (found by an adversarial review on 2026-12-06).
+    ("charge", "card declined for seat"),
+])
+async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(
+    store: Store, tool_name: str, why: str
+) -> None:
+    """A failure is the call's outcome, recorded as such: undoing it would take back what never
+    happened (a refund of a declined charge)."""
+    run, lease, block = await one_call_turn(store, tool_name)
     await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
     ex = executor(store)
     h = RunHandle(run, lease, lease_ttl=60)
@@ -332,25 +340,7 @@ async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(store: St
         await ex.call_tool(h, 0, 0, block, None)
     await ex.abort(h, str(failed.value))
     done = await store.get_run(run.id)
-    assert (done.status, done.error) == (
-        "failed", "tool grab failed: RuntimeError: could not grab seat")
-    assert UNKNOWN == [] and await store.compensations_due(run.id) == []
-
-
-async def test_an_irreversible_call_that_failed_its_run_here_is_not_undone(store: Store) -> None:
-    """Its intent was written before the call, and the failure that aborted the run left it
-    there: the rollback took it for an unknown outcome and undid a declined charge (found by an
-    adversarial review on 2026-12-06). The failure is recorded as its outcome now."""
-    run, lease, block = await one_call_turn(store, "charge")
-    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
-    ex = executor(store)
-    h = RunHandle(run, lease, lease_ttl=60)
-    with pytest.raises(RunFailed) as failed:
-        await ex.call_tool(h, 0, 0, block, None)
-    await ex.abort(h, str(failed.value))
-    done = await store.get_run(run.id)
-    assert (done.status, done.error) == (
-        "failed", "tool charge failed: RuntimeError: card declined for seat")
+    assert (done.status, done.error) == ("failed", f"tool {tool_name} failed: RuntimeError: {why}")
     assert UNKNOWN == [] and await store.compensations_due(run.id) == []
     assert (await store.effects(run.id, 0))[0].state == "done"
 
