@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -38,9 +39,13 @@ SEEN: list[bool] = []  # what each compensation saw of the fence
 FIXED: list[bool] = []  # non-empty: the service a "down_until_fixed" compensation needs is back
 UNKNOWN: list[bool] = []  # what each compensation was told of the undone call's outcome
 COMPENSATING = threading.Event()  # set once a compensation is running
+GRABS: list[str] = []  # grab's calls
+UNDONE_AT: list[datetime] = []  # when each compensation started
 
 
-@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold")
+# A short timeout: a rollback waits it out (after the lost lease's end) before undoing a call a
+# lost worker may still be inside.
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", timeout=0.3)
 def hold(ctx: ToolContext, item: str, how: str) -> str:
     """Hold an item; ``how`` says how its compensation will behave."""
     return f"held {item}"
@@ -52,10 +57,19 @@ def hold_for_good(ctx: ToolContext, item: str, how: str) -> str:
     return f"held {item} for good"
 
 
+@tool(kind="pure", registry=TOOLS)
+def peek(ctx: ToolContext, item: str) -> str:
+    """Look at an item (no effect)."""
+    return f"{item} is free"
+
+
 @tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", on_error="abort")
 def grab(ctx: ToolContext, item: str, how: str) -> str:
-    """Grab an item; it fails, and its failure ends the run."""
-    raise RuntimeError(f"could not grab {item}")
+    """Grab an item; the first call fails, and its failure ends the run."""
+    GRABS.append(item)
+    if len(GRABS) == 1:
+        raise RuntimeError(f"could not grab {item}")
+    return f"grabbed {item}"
 
 
 @tool(kind="irreversible", registry=TOOLS, compensate="unhold", on_error="abort")
@@ -69,6 +83,7 @@ def unhold(ctx: ToolContext, item: str, how: str) -> str:
     """Undo a hold: refuse it, hang past the timeout, or release it."""
     SEEN.append(ctx.fence is not None)
     UNKNOWN.append(ctx.compensates_unknown)
+    UNDONE_AT.append(datetime.now(UTC))
     COMPENSATING.set()
     if how == "refuse":
         raise ToolError(f"the reservation service refused to release {item}")
@@ -86,6 +101,8 @@ def hung_calls_released() -> Iterator[None]:
     FIXED.clear()
     UNKNOWN.clear()
     COMPENSATING.clear()
+    GRABS.clear()
+    UNDONE_AT.clear()
     yield
     RELEASE.set()
 
@@ -268,11 +285,12 @@ async def test_a_dead_letter_with_nothing_to_undo_is_left_as_it_is(store: Store)
 
 
 async def one_call_turn(
-    store: Store, tool_name: str, **create: Any
+    store: Store, tool_name: str, *more_tools: str, **create: Any
 ) -> tuple[Run, Lease, dict[str, Any]]:
-    """A claimed run whose step 0 is a model turn calling ``tool_name`` on the seat (the run may
-    call it and unhold); ``create``: more of create_run's arguments."""
-    agent = AgentSpec(model="claude-sonnet-4-5", system="book", tools=[tool_name, "unhold"])
+    """A claimed run, and the call of ``tool_name`` on the seat its step 0 is to make (the run
+    may call it, unhold and ``more_tools``); ``create``: more of create_run's arguments."""
+    agent = AgentSpec(model="claude-sonnet-4-5", system="book",
+                      tools=[tool_name, "unhold", *more_tools])
     await store.create_run("book a seat", agent, **create)
     ((run, lease),) = (await store.claim("default", "w1", 1)).claimed
     block = {"type": "tool_use", "id": "toolu_1", "name": tool_name,
@@ -321,18 +339,14 @@ async def test_a_call_its_worker_died_inside_is_undone_after_a_dead_letter(
     assert UNKNOWN == [True]
 
 
-@pytest.mark.parametrize(("tool_name", "why"), [
-    ("grab", "could not grab seat"),  # its own mark names it: not a worker lost inside it
-    # Its intent was written before the call, and the failure left it there: the rollback took
-    # it for an unknown outcome (found by an adversarial review on 2026-12-06).
-    ("charge", "card declined for seat"),
-])
-async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(
-    store: Store, tool_name: str, why: str
+async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone_and_is_retried(
+    store: Store,
 ) -> None:
-    """A failure is the call's outcome, recorded as such: undoing it would take back what never
-    happened (a refund of a declined charge)."""
-    run, lease, block = await one_call_turn(store, tool_name)
+    """Its own mark names the call that raised: a failure, not a worker lost inside it. Undoing
+    it would take back what never happened; and nothing is recorded of it, so a retry calls it
+    again under the same key (recording the failure as its outcome, tried once, showed the model
+    the error on the retry and never called the tool again: found by a review on 2026-12-06)."""
+    run, lease, block = await one_call_turn(store, "grab")
     await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
     ex = executor(store)
     h = RunHandle(run, lease, lease_ttl=60)
@@ -340,9 +354,42 @@ async def test_a_call_that_failed_its_run_in_this_worker_is_not_undone(
         await ex.call_tool(h, 0, 0, block, None)
     await ex.abort(h, str(failed.value))
     done = await store.get_run(run.id)
-    assert (done.status, done.error) == ("failed", f"tool {tool_name} failed: RuntimeError: {why}")
+    assert (done.status, done.error) == (
+        "failed", "tool grab failed: RuntimeError: could not grab seat")
     assert UNKNOWN == [] and await store.compensations_due(run.id) == []
-    assert (await store.effects(run.id, 0))[0].state == "done"
+    await store.retry(run.id, "service back")
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    [told] = await ex.run_tools(RunHandle(run, lease, lease_ttl=60), 0,
+                                {"content": [block], "stop_reason": "tool_use"})
+    assert told["content"] == "grabbed seat" and GRABS == ["seat", "seat"]
+
+
+async def test_an_irreversible_call_that_failed_its_run_is_undone_as_unknown(
+    store: Store,
+) -> None:
+    """Its intent stays (a raise may come after the effect: a retry asks a human, as after a
+    death), so the failing run's rollback undoes it, told the outcome is unknown, its
+    compensation finding by key whether there is anything to undo. So with an approved re-run
+    that failed its run: attempt 1 was left in place (found by a review on 2026-12-06)."""
+    run, lease, block = await one_call_turn(store, "charge")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    await store.record_effect(lease, 0, 0, key="k", tool="charge", tool_kind="irreversible",
+                              state="intent", tool_input=block["input"], compensate="unhold")
+    await store.wait_for_approval(lease, "outcome unknown", {
+        "seq": 0, "call_index": 0, "tool": "charge", "input": block["input"],
+        "stage": "outcome_unknown", "attempt": 1})
+    await store.decide(run.id, WaitRef(0, 0, 1), "approved", decided_by="alice")
+    ex = executor(store)
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    h = RunHandle(run, lease, lease_ttl=60)
+    with pytest.raises(RunFailed) as failed:  # the approved re-run (attempt 2) is declined
+        await ex.call_tool(h, 0, 0, block, (await store.effects(run.id, 0))[0])
+    await ex.abort(h, str(failed.value))
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == (
+        "failed", "tool charge failed: RuntimeError: card declined for seat; compensated: "
+        "unhold for charge (step 0, outcome unknown)")
+    assert UNKNOWN == [True]
 
 
 async def lost_inside_hold(store: Store, how: str) -> tuple[RunExecutor, RunHandle]:
@@ -428,3 +475,54 @@ async def test_a_rejected_retry_of_an_unknown_outcome_is_still_undone(store: Sto
     assert (done.status, done.error) == ("cancelled", "cancelled: undo everything; compensated: "
                                          "unhold for hold_for_good (step 0, outcome unknown)")
     assert UNKNOWN == [True]
+
+
+async def test_a_call_lost_behind_another_is_remembered_when_the_resume_marks_the_first(
+    store: Store,
+) -> None:
+    """A turn of [peek, hold]: w1 is lost inside hold (call 1). w2's resume calls peek again,
+    whose mark replaces the one that named hold, and w2 is lost too: the rollback found nothing
+    and reported the run rolled back with the hold perhaps in place (found by a review on
+    2026-12-06). The claim records the lost call before anything replaces its mark."""
+    run, lease, block = await one_call_turn(store, "hold", "peek")
+    calls = [{"type": "tool_use", "id": "toolu_0", "name": "peek", "input": {"item": "seat"}},
+             {**block, "id": "toolu_1"}]
+    await store.append_step(lease, 0, "model_turn", {"content": calls, "stop_reason": "tool_use"})
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    await ex.call_tool(h, 0, 0, calls[0], None)
+    await store.begin_tool_call(lease, ex._mark(h, TOOLS.get("hold"), 0, 1))  # then w1 is lost
+    await expire(store, run.id)
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    h = RunHandle(run, lease, lease_ttl=60)
+    await ex._record_lost_call(h)  # what advance() does first on a claim
+    await ex.call_tool(h, 0, 0, calls[0], None)  # the resume's first call: its mark replaces it
+    await expire(store, run.id)  # and w2 is lost
+    await store.request_rollback(run.id, "cancelled", "undo")
+    done = await next_claim_ends(store, ex, "w3")
+    assert (done.status, done.error) == ("cancelled", "cancelled: undo; compensated: unhold for "
+                                         "hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True]
+
+
+async def test_a_call_a_lost_worker_may_still_be_inside_is_undone_once_it_cannot_be(
+    store: Store,
+) -> None:
+    """A lost worker's thread may still be inside its call (a sync tool that never checks the
+    fence) until its lease's end plus the call's timeout. Undone at once, the compensation found
+    nothing, was recorded, and the call then completed with its effect in place (found by a
+    review on 2026-12-06). The rollback waits that bound out first."""
+    ex, h = await lost_inside_hold(store, "release")
+    await store.request_rollback(h.run.id, "cancelled", "plans changed")
+    async with store.pool.connection() as conn:  # w1's lease ended just now, not a second ago
+        await conn.execute("UPDATE agent_run SET tool_call = jsonb_set(tool_call, "
+                           "'{lease_until}', to_jsonb(now())), updated_at = now() "
+                           "WHERE id = %s", [h.run.id])
+    mark = (await store.get_run(h.run.id)).tool_call or {}
+    until = datetime.fromisoformat(str(mark["lease_until"])) + timedelta(
+        seconds=float(mark["timeout"]))
+    await ex.abort(h)
+    done = await store.get_run(h.run.id)
+    assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
+                                         "unhold for hold (step 0, outcome unknown)")
+    assert float(mark["timeout"]) == 0.3 and UNDONE_AT and UNDONE_AT[0] >= until

@@ -399,7 +399,9 @@ async def test_a_rollback_undoes_the_call_its_worker_was_killed_inside(
     run, _ = await store.create_run(
         "book a seat", AGENT.model_copy(update={"tools": ["reserve", "release"]}))
     tools = str(TOOLS_DIR / "ledger_tools.py")
-    w0 = workers.start("w0", tools=tools, faults="after_tool_return@0")
+    # The rollback waits out w0's lease plus the call's timeout (w0 may still be inside it).
+    w0 = workers.start("w0", tools=tools, faults="after_tool_return@0",
+                       extra=["--tool-timeout", "1"])
     assert w0.wait() == -signal.SIGKILL, w0.output()[-2000:]
     assert _effects(ledger_db, str(run.id)) == ["reserve:seat"]
     assert await store.effects(run.id, 0) == {}  # killed before the effect was recorded

@@ -366,6 +366,7 @@ class RunExecutor:
         log.info(
             "claimed: attempt %d, epoch %d, resuming at seq %d", run.attempt, h.lease.epoch, seq
         )
+        await self._record_lost_call(h)
         if run.rollback_reason:  # a worker died mid-rollback: finish it, never go on
             await self.abort(h)
             return None
@@ -546,7 +547,8 @@ class RunExecutor:
     async def rollback(self, h: RunHandle) -> int:
         """Run the compensations still due, newest effect first. Returns how many ran now."""
         due = await self.store.compensations_due(h.run.id)
-        seq = (await self.store.get_run(h.run.id)).next_seq
+        run = await self.store.get_run(h.run.id)
+        seq, mark = run.next_seq, dict(run.tool_call or {})
         for effect in due:
             assert effect.compensate is not None
             try:
@@ -571,15 +573,13 @@ class RunExecutor:
             # run. Unmarked, the death was a plain one: this run's error said nothing, and the
             # runs sharing the worker each lost an attempt to it, until they dead-lettered.
             self._refuse_if_lost(h, effect.compensate)
-            sent = time.monotonic()
             if effect.state == "unrecorded":
-                # Recorded (as an intent: its outcome is unknown) before the mark below replaces
-                # the one that named it: a compensation that fails, or whose worker dies, leaves
-                # it due, not forgotten (a retry then went back to the model instead).
-                await self.store.record_effect(
-                    h.lease, effect.seq, effect.call_index, key=effect.idempotency_key,
-                    tool=effect.tool, tool_kind=effect.tool_kind, state="intent",
-                    tool_input=effect.input, compensate=effect.compensate)
+                # Before the mark below replaces the one that names it (_record_lost_call).
+                await self._record_intent(h, effect)
+            if unknown and mark.get("lease_until") and (
+                    mark.get("seq"), mark.get("call_index")) == (effect.seq, effect.call_index):
+                await self._outwait(h, effect, mark)
+            sent = time.monotonic()
             await self.store.begin_tool_call(
                 h.lease, self._mark(h, spec, effect.seq, effect.call_index, step=seq))
             self._committed(h, sent)
@@ -609,6 +609,44 @@ class RunExecutor:
                         effect.compensate)
             seq += 1
         return len(due)
+
+    async def _record_lost_call(self, h: RunHandle) -> None:
+        """Record, as an intent of unknown outcome, the compensable call an earlier holder was
+        lost inside before recording it (Store.compensations_due: "unrecorded"). Its only trace
+        is the run's mark, which this claim's first call replaces: left to the rollback, a call
+        lost at index 1 was forgotten once the resume re-ran index 0 (and that worker was lost
+        too), and the rollback reported the run compensated with it in place."""
+        mark = h.run.tool_call or {}
+        if not ("compensate" in mark and "kind" in mark and "lease_until" in mark):
+            return  # the usual claim: no query
+        for effect in await self.store.compensations_due(h.run.id):
+            if effect.state == "unrecorded":
+                await self._record_intent(h, effect)
+
+    async def _record_intent(self, h: RunHandle, effect: Effect) -> None:
+        sent = time.monotonic()
+        await self.store.record_effect(
+            h.lease, effect.seq, effect.call_index, key=effect.idempotency_key, tool=effect.tool,
+            tool_kind=effect.tool_kind, state="intent", tool_input=effect.input,
+            compensate=effect.compensate)
+        self._committed(h, sent)
+
+    async def _outwait(self, h: RunHandle, effect: Effect, mark: dict[str, Any]) -> None:
+        """Wait, before undoing a call a lost worker may still be inside (its lease's end plus
+        the call's timeout, as _previous_holder tells a human): a compensation that found
+        nothing yet was recorded, and the call then completed, its effect in place."""
+        until = datetime.fromisoformat(str(mark["lease_until"])) + timedelta(
+            seconds=float(mark.get("timeout") or DEFAULT_TOOL_TIMEOUT))
+        delay = (until - datetime.now(UTC)).total_seconds()
+        if delay <= 0:
+            return
+        log.warning("undoing %s (step %d) at %s UTC: worker %s may still be inside it until "
+                    "then (its lease's end plus the call's timeout)", effect.tool, effect.seq,
+                    f"{until.astimezone(UTC):%H:%M:%S}", mark.get("worker"))
+        with h.progress.working(f"waiting for {effect.tool} to end",
+                                deadline=time.monotonic() + delay):
+            await asyncio.sleep(delay)
+        self._refuse_if_lost(h, str(effect.compensate))
 
     def first_call_mark(
         self, h: RunHandle, turn_seq: int, payload: dict[str, Any]
@@ -736,20 +774,18 @@ class RunExecutor:
         # Progress while it lasts, up to its timeout (the call is cut off there anyway).
         with h.progress.working(f"tool {name}",
                                 deadline=time.monotonic() + self._timeout(spec)):
-            try:
-                outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
-            except RunFailed as failed:
-                if recorded:
-                    # Its failure is its outcome, recorded: an intent left behind was taken
-                    # for an unknown outcome, and the failing run's rollback undid the call
-                    # that had just failed (a refund of a declined charge).
-                    await record("done", {"content": str(failed), "is_error": True})
-                raise
+            # A call that fails its run (on_error="abort") records nothing: a retry calls it
+            # again under the same key, and an irreversible one's intent stays unknown (its
+            # re-run is a human's decision; a rollback undoes it, told the outcome is unknown).
+            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
         crash_point("after_tool_return", turn_seq)
         if recorded:
-            # An approved re-run that failed leaves the earlier attempt's outcome unknown.
+            # A re-run of an unknown outcome (an intent was there: an approved irreversible
+            # re-run, or a call an earlier worker was lost inside) that failed leaves the earlier
+            # attempt's outcome unknown: a rollback must still undo it.
+            again = effect is not None and effect.state == "intent"
             await record("done", {**outcome, UNKNOWN_OUTCOME: True}
-                         if intent > 1 and outcome.get("is_error") else outcome)
+                         if again and outcome.get("is_error") else outcome)
         return {**result, **outcome}
 
     async def _gate_irreversible(
