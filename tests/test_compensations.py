@@ -495,6 +495,12 @@ async def test_a_call_lost_behind_another_is_remembered_when_the_resume_marks_th
     await expire(store, run.id)
     ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
     h = RunHandle(run, lease, lease_ttl=60)
+    async with store.pool.connection() as conn:  # w1's lease ended just now, not a second ago
+        await conn.execute("UPDATE agent_run SET tool_call = jsonb_set(tool_call, "
+                           "'{lease_until}', to_jsonb(now())), updated_at = now() "
+                           "WHERE id = %s", [run.id])
+    mark = (await store.get_run(run.id)).tool_call or {}
+    w1_out = datetime.fromisoformat(str(mark["lease_until"])) + timedelta(seconds=0.3)
     await ex._record_lost_call(h)  # what advance() does first on a claim
     await ex.call_tool(h, 0, 0, calls[0], None)  # the resume's first call: its mark replaces it
     await expire(store, run.id)  # and w2 is lost
@@ -503,6 +509,9 @@ async def test_a_call_lost_behind_another_is_remembered_when_the_resume_marks_th
     assert (done.status, done.error) == ("cancelled", "cancelled: undo; compensated: unhold for "
                                          "hold (step 0, outcome unknown)")
     assert UNKNOWN == [True]
+    # w1 may have been inside hold until its lease's end plus hold's timeout: the bound is kept
+    # with the effect, not read from the mark the resume replaced (undone 1.8 s early before).
+    assert UNDONE_AT[0] >= w1_out
 
 
 async def test_a_call_a_lost_worker_may_still_be_inside_is_undone_once_it_cannot_be(
@@ -526,3 +535,23 @@ async def test_a_call_a_lost_worker_may_still_be_inside_is_undone_once_it_cannot
     assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
                                          "unhold for hold (step 0, outcome unknown)")
     assert float(mark["timeout"]) == 0.3 and UNDONE_AT and UNDONE_AT[0] >= until
+
+
+async def test_a_call_that_failed_its_run_is_not_undone_after_a_death_mid_rollback(
+    store: Store,
+) -> None:
+    """grab fails its run in w1, whose abort begins the rollback; w1 dies before it ends. The
+    call's mark, still naming grab, was stamped as a loss by the next claim, which undid a call
+    known to have failed (after waiting out its timeout) (found by a review on 2026-12-06). The
+    rollback clears the mark as it begins."""
+    run, lease, block = await one_call_turn(store, "grab")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    ex = executor(store)
+    with pytest.raises(RunFailed) as failed:
+        await ex.call_tool(RunHandle(run, lease, lease_ttl=60), 0, 0, block, None)
+    await store.begin_rollback(lease, str(failed.value))  # abort's first write; then w1 dies
+    await expire(store, run.id)
+    done = await next_claim_ends(store, ex, "w2")
+    assert (done.status, done.error) == (
+        "failed", "tool grab failed: RuntimeError: could not grab seat")
+    assert UNKNOWN == [] and GRABS == ["seat"]

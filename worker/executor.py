@@ -519,6 +519,9 @@ class RunExecutor:
         ``failure``: the error that fails the run; None: a rollback was requested (cancel
         --rollback, reject --abort), and its stored reason says why and what it ends as. The
         first reason stored stays either way."""
+        # Recorded before begin_rollback clears the mark (advance did it at the claim; an
+        # abort reached some other way must not lose it either).
+        await self._record_lost_call(h)
         sent = time.monotonic()
         reason, final = await self.store.begin_rollback(
             h.lease, rollback_reason("failed", failure), "failed")
@@ -548,7 +551,7 @@ class RunExecutor:
         """Run the compensations still due, newest effect first. Returns how many ran now."""
         due = await self.store.compensations_due(h.run.id)
         run = await self.store.get_run(h.run.id)
-        seq, mark = run.next_seq, dict(run.tool_call or {})
+        seq = run.next_seq
         for effect in due:
             assert effect.compensate is not None
             try:
@@ -576,9 +579,8 @@ class RunExecutor:
             if effect.state == "unrecorded":
                 # Before the mark below replaces the one that names it (_record_lost_call).
                 await self._record_intent(h, effect)
-            if unknown and mark.get("lease_until") and (
-                    mark.get("seq"), mark.get("call_index")) == (effect.seq, effect.call_index):
-                await self._outwait(h, effect, mark)
+            if unknown and effect.busy_until is not None:
+                await self._outwait(h, effect, effect.busy_until)
             sent = time.monotonic()
             await self.store.begin_tool_call(
                 h.lease, self._mark(h, spec, effect.seq, effect.call_index, step=seq))
@@ -628,21 +630,20 @@ class RunExecutor:
         await self.store.record_effect(
             h.lease, effect.seq, effect.call_index, key=effect.idempotency_key, tool=effect.tool,
             tool_kind=effect.tool_kind, state="intent", tool_input=effect.input,
-            compensate=effect.compensate)
+            compensate=effect.compensate, busy_until=effect.busy_until)
         self._committed(h, sent)
 
-    async def _outwait(self, h: RunHandle, effect: Effect, mark: dict[str, Any]) -> None:
-        """Wait, before undoing a call a lost worker may still be inside (its lease's end plus
-        the call's timeout, as _previous_holder tells a human): a compensation that found
-        nothing yet was recorded, and the call then completed, its effect in place."""
-        until = datetime.fromisoformat(str(mark["lease_until"])) + timedelta(
-            seconds=float(mark.get("timeout") or DEFAULT_TOOL_TIMEOUT))
+    async def _outwait(self, h: RunHandle, effect: Effect, until: datetime) -> None:
+        """Wait, before undoing a call a lost worker may still be inside, until it cannot be
+        (Effect.busy_until: its lease's end plus the call's timeout, as _previous_holder tells a
+        human): undone at once, the compensation found nothing yet and was recorded, and the
+        call then completed, its effect in place."""
         delay = (until - datetime.now(UTC)).total_seconds()
         if delay <= 0:
             return
-        log.warning("undoing %s (step %d) at %s UTC: worker %s may still be inside it until "
-                    "then (its lease's end plus the call's timeout)", effect.tool, effect.seq,
-                    f"{until.astimezone(UTC):%H:%M:%S}", mark.get("worker"))
+        log.warning("undoing %s (step %d) at %s UTC: the worker lost inside it may still be "
+                    "in it until then (its lease's end plus the call's timeout)", effect.tool,
+                    effect.seq, f"{until.astimezone(UTC):%H:%M:%S}")
         with h.progress.working(f"waiting for {effect.tool} to end",
                                 deadline=time.monotonic() + delay):
             await asyncio.sleep(delay)

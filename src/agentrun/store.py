@@ -588,6 +588,9 @@ class Effect:
     input: dict[str, Any]
     compensate: str | None
     attempts: int = 1  # execution attempts started (an irreversible call: one per decision)
+    # Until when the worker lost inside the call may still be in it (its lease's end plus the
+    # call's timeout): a rollback undoes it only after (migration 0023). None: no such bound.
+    busy_until: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -1269,8 +1272,10 @@ class Store:
         result: dict[str, Any] | None = None,
         tool_input: dict[str, Any] | None = None,
         compensate: str | None = None,
+        busy_until: datetime | None = None,
     ) -> None:
-        """Record an intent or an outcome (fenced: LeaseLost if the run is no longer ours)."""
+        """Record an intent or an outcome (fenced: LeaseLost if the run is no longer ours).
+        ``busy_until``: see :attr:`Effect.busy_until`."""
         params = self._fence_params(lease)
         params.update(
             seq=seq,
@@ -1282,6 +1287,7 @@ class Store:
             result=Jsonb(result) if result is not None else None,
             input=Jsonb(tool_input or {}),
             compensate=compensate,
+            busy_until=busy_until,
         )
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["record_effect"], params)
@@ -1311,13 +1317,14 @@ class Store:
             lost = await (await conn.execute(queries["lost_call"], {"run_id": run_id})).fetchone()
         if lost is None:
             return due
-        seq, index, tool, kind, compensate, turn = lost
+        seq, index, tool, kind, compensate, turn, busy_until = lost
         calls = [b for b in (turn or {}).get("content", []) if b.get("type") == "tool_use"]
         if index >= len(calls) or calls[index].get("name") != tool:
             return due  # a mark that does not name this turn's call: nothing to go on
         args = dict(calls[index].get("input") or {})
         key = idempotency_key(str(run_id), seq, tool, args, index)
-        return [Effect(seq, index, key, tool, kind, "unrecorded", None, args, compensate), *due]
+        return [Effect(seq, index, key, tool, kind, "unrecorded", None, args, compensate,
+                       busy_until=busy_until), *due]
 
     async def begin_rollback(
         self, lease: Lease, reason: str, end: RollbackEnd = "failed"

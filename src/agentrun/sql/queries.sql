@@ -479,7 +479,7 @@ SELECT seq, call_index, idempotency_key, tool, tool_kind, state, result, input, 
 -- leaves an earlier attempt unknown (outcome_unknown: a rejected or failed re-run; executor.py
 -- UNKNOWN_OUTCOME); any other error is a call that did not take effect.
 SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.result, e.input,
-       e.compensate, e.attempts
+       e.compensate, e.attempts, e.busy_until
   FROM tool_effect e
  WHERE e.run_id = %(run_id)s AND e.compensate IS NOT NULL AND e.state IN ('done', 'intent')
    AND (coalesce((e.result ->> 'is_error')::boolean, false) = false
@@ -500,7 +500,9 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
 -- the call's arguments.
 SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int AS call_index,
        r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'kind' AS kind,
-       r.tool_call ->> 'compensate' AS compensate, s.payload AS turn
+       r.tool_call ->> 'compensate' AS compensate, s.payload AS turn,
+       (r.tool_call ->> 'lease_until')::timestamptz
+         + make_interval(secs => coalesce((r.tool_call ->> 'timeout')::float8, 0)) AS busy_until
   FROM agent_run r
   JOIN agent_step s ON s.run_id = r.id AND s.seq = (r.tool_call ->> 'seq')::int
                    AND s.kind = 'model_turn'
@@ -518,8 +520,13 @@ SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int 
 
 -- begin_rollback --
 -- Mark the run as rolling back (the first reason and end stay: a requested rollback's). Fenced.
+-- The run's mark is cleared: it names the last call this worker made (its failure, when that
+-- failed the run), and a death before the first compensation's mark made the next claim take
+-- that call for one its worker was lost inside (lost_call), and undo a call known to have failed.
+-- A call an earlier holder was lost inside was recorded by this claim before (_record_lost_call).
 UPDATE agent_run SET rollback_reason = coalesce(rollback_reason, %(reason)s),
-                     rollback_end = coalesce(rollback_end, %(end)s)
+                     rollback_end = coalesce(rollback_end, %(end)s),
+                     tool_call = NULL
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
    AND status = 'running'
 RETURNING rollback_reason, rollback_end;
@@ -535,10 +542,10 @@ WITH fence AS (
     RETURNING id
 )
 INSERT INTO tool_effect (run_id, seq, call_index, idempotency_key, tool, tool_kind, state,
-                         result, input, compensate, lease_epoch, worker, completed_at)
+                         result, input, compensate, lease_epoch, worker, completed_at, busy_until)
 SELECT fence.id, %(seq)s, %(call_index)s, %(key)s, %(tool)s, %(tool_kind)s, %(state)s,
        %(result)s, %(input)s, %(compensate)s, %(epoch)s, %(worker)s,
-       CASE WHEN %(state)s = 'done' THEN clock_timestamp() END
+       CASE WHEN %(state)s = 'done' THEN clock_timestamp() END, %(busy_until)s
   FROM fence
 ON CONFLICT (run_id, seq, call_index) DO UPDATE
    SET state = 'done', result = EXCLUDED.result, completed_at = clock_timestamp(),

@@ -309,6 +309,7 @@ CREATE TABLE public.tool_effect (
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     completed_at timestamp with time zone,
     attempts integer DEFAULT 1 NOT NULL,
+    busy_until timestamp with time zone,
     CONSTRAINT tool_effect_attempts_check CHECK ((attempts > 0)),
     CONSTRAINT tool_effect_result_when_done CHECK (((state = 'done'::text) = (result IS NOT NULL))),
     CONSTRAINT tool_effect_state_check CHECK ((state = ANY (ARRAY['intent'::text, 'done'::text]))),
