@@ -57,6 +57,13 @@ def hold_for_good(ctx: ToolContext, item: str, how: str) -> str:
     return f"held {item} for good"
 
 
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", timeout=0.2)
+def slow_hold(ctx: ToolContext, item: str, how: str) -> str:
+    """Hold an item, past the call's timeout (its thread returns at the end of the test)."""
+    RELEASE.wait()
+    return f"held {item} late"
+
+
 @tool(kind="pure", registry=TOOLS)
 def peek(ctx: ToolContext, item: str) -> str:
     """Look at an item (no effect)."""
@@ -555,3 +562,23 @@ async def test_a_call_that_failed_its_run_is_not_undone_after_a_death_mid_rollba
     assert (done.status, done.error) == (
         "failed", "tool grab failed: RuntimeError: could not grab seat")
     assert UNKNOWN == [] and GRABS == ["seat"]
+
+
+async def test_a_call_cut_off_by_its_timeout_is_undone_on_a_rollback(store: Store) -> None:
+    """A compensable call that timed out was recorded as a plain error, which a rollback skips:
+    its thread runs on and may yet take effect, and the run ended "compensated" without it. It
+    is recorded as an unknown outcome now; the model is shown the error alone."""
+    run, lease, block = await one_call_turn(store, "slow_hold")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    told = await ex.call_tool(h, 0, 0, block, None)
+    assert set(told) == {"type", "tool_use_id", "content", "is_error"}, told
+    assert told["is_error"] is True and told["content"].startswith("ToolTimeout")
+    assert [e.tool for e in await store.compensations_due(run.id)] == ["slow_hold"]
+    await store.request_rollback(run.id, "cancelled", "plans changed")
+    await ex.abort(h)
+    done = await store.get_run(run.id)
+    assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
+                                         "unhold for slow_hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True]

@@ -210,9 +210,9 @@ def non_finite(value: Any, path: str = "") -> str | None:
 
 
 #: Set in a recorded outcome, and in the compensation step that undid it, when the effect may or
-#: may not have happened (a rejected or failed re-run of an unknown outcome: the earlier attempt
-#: is unknown). queries.sql compensations_due reads it: such an effect is undone on a rollback,
-#: its compensation told (ctx.compensates_unknown).
+#: may not have happened (a call cut off by its timeout; a rejected or failed re-run of an
+#: unknown outcome: the earlier attempt is unknown). queries.sql compensations_due reads it:
+#: such an effect is undone on a rollback, its compensation told (ctx.compensates_unknown).
 UNKNOWN_OUTCOME = "outcome_unknown"
 #: What a recorded outcome shows the model when it is reused (a tool_result block's fields).
 SHOWN = ("content", "is_error")
@@ -787,7 +787,7 @@ class RunExecutor:
             again = effect is not None and effect.state == "intent"
             await record("done", {**outcome, UNKNOWN_OUTCOME: True}
                          if again and outcome.get("is_error") else outcome)
-        return {**result, **outcome}
+        return {**result, **{k: v for k, v in outcome.items() if k in SHOWN}}
 
     async def _gate_irreversible(
         self, h: RunHandle, seq: int, index: int, name: str, args: dict[str, Any],
@@ -912,7 +912,13 @@ class RunExecutor:
             if disposition == "abort":
                 raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
             log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
-            return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
+            told: dict[str, Any] = {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
+            if isinstance(exc, ToolTimeout):
+                # Cut off, not failed: its thread runs on and may yet take effect. Recorded so
+                # (call_tool shows the model the error alone), a rollback undoes it; recorded
+                # as a plain error, it never did.
+                told[UNKNOWN_OUTCOME] = True
+            return told
 
     async def _call(
         self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]
