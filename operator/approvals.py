@@ -62,7 +62,6 @@ from agentrun.operator.status import Cond, Event, now_iso, one_line, set_conditi
 from agentrun.store import Approval, Store
 from agentrun.supervise import describe, watch
 from agentrun.vocabulary import VERDICTS
-from agentrun.waits import WaitRef
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +212,7 @@ async def _decide(
         if prior is None:
             # The attempt as the store will record it, also for a wait that does not name it.
             pending = await store.waited_on(run.id)
-            if pending is not None and int(pending["seq"]) == spec.seq and (
-                    not spec.wait.named or WaitRef.of(pending) == spec.wait):
+            if pending is not None and spec.wait.answers(pending):
                 # Which call this decides, written down before deciding: an operator killed
                 # right after the decision finds it in the store by these, and does not call
                 # its own recorded decision a refusal.

@@ -47,6 +47,7 @@ from agentrun.tools import (
     ToolTimeout,
     UnknownToolError,
     idempotency_key,
+    tool_uses,
 )
 from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_reason
 from agentrun.worker.budget import Spend, over_budget
@@ -224,11 +225,6 @@ def records_effects(spec: ToolSpec) -> bool:
         spec.kind in (ToolKind.NON_IDEMPOTENT, ToolKind.IRREVERSIBLE)
         or spec.compensate is not None  # a saga step must be remembered to be undone
     )
-
-
-def tool_uses(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """A model turn's tool calls, in order (its tool_use blocks)."""
-    return [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
 
 
 def final_text(payload: dict[str, Any]) -> str:
@@ -550,8 +546,7 @@ class RunExecutor:
     async def rollback(self, h: RunHandle) -> int:
         """Run the compensations still due, newest effect first. Returns how many ran now."""
         due = await self.store.compensations_due(h.run.id)
-        run = await self.store.get_run(h.run.id)
-        seq = run.next_seq
+        seq = (await self.store.get_run(h.run.id)).next_seq
         for effect in due:
             assert effect.compensate is not None
             try:

@@ -583,7 +583,7 @@ def _talks_to_kubernetes(args: argparse.Namespace) -> bool:
     return bool(args.kube or args.namespace or args.kubeconfig or args.context)
 
 
-async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
+async def _decide_in_kubernetes(args: argparse.Namespace, wait: WaitRef) -> int:
     """``approve``/``reject`` as an AgentRunApproval: RUN is the AgentRun's name, the approver
     the user the API server authenticates the kubeconfig's credentials as."""
     from agentrun.kubeapprovals import AsyncKubeApprovals
@@ -600,8 +600,8 @@ async def _decide_in_kubernetes(args: argparse.Namespace) -> int:
     decision: Literal["approve", "reject"] = "approve" if args.command == "approve" else "reject"
     async with AsyncKubeApprovals(kubeconfig=args.kubeconfig, context=args.context,
                                   namespace=args.namespace) as kube:
-        outcome = await kube.decide(args.run, WaitRef.parse(args.seq, "WAIT"), decision,
-                                    reason=args.reason, timeout=args.timeout)
+        outcome = await kube.decide(args.run, wait, decision, reason=args.reason,
+                                    timeout=args.timeout)
     print(f"agentrunapproval/{outcome.name} in {outcome.namespace}: {outcome.phase}: "
           f"{printable(outcome.message)}")
     return 0
@@ -617,12 +617,12 @@ def unreachable(exc: psycopg.OperationalError) -> bool:
 
 
 async def cmd_decide(args: argparse.Namespace) -> int:
+    wait = WaitRef.parse(args.seq, "WAIT")
     if _talks_to_kubernetes(args):
-        return await _decide_in_kubernetes(args)
+        return await _decide_in_kubernetes(args, wait)
     decision = VERDICTS["approve" if args.command == "approve" else "reject"]
     by = args.by or os.environ.get("USER") or "cli"
     abort = bool(getattr(args, "abort", False))
-    wait = WaitRef.parse(args.seq, "WAIT")
     async with await _open_store() as store:
         call = await store.decide(
             args.run, wait, decision, decided_by=by, reason=args.reason, abort=abort

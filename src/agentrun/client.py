@@ -357,12 +357,10 @@ class AsyncClient:
 
     async def _wait(
         self, run_id: str | UUID, seq: int | str | WaitRef | None
-    ) -> tuple[UUID, int | WaitRef]:
+    ) -> tuple[UUID, WaitRef]:
         rid = parse_run_id(run_id)
-        if isinstance(seq, str):
-            return rid, WaitRef.parse(seq, "seq")
         if seq is not None:
-            return rid, seq
+            return rid, WaitRef.named_by(seq, "seq")
         # Whatever it waits on now, named whole: a bare step number read here would be refused
         # on a step's second wait, and must not decide one nobody read.
         pending = await self.store.waited_on(rid)

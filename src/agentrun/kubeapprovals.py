@@ -231,9 +231,7 @@ class KubeApprovals:
         reason: str | None, timeout: float,
     ) -> ApprovalOutcome:
         deadline = time.monotonic() + timeout
-        wait = (self.pending_wait(agent_run) if seq is None
-                else WaitRef.parse(seq, "seq") if isinstance(seq, str)
-                else seq if isinstance(seq, WaitRef) else WaitRef(seq))
+        wait = self.pending_wait(agent_run) if seq is None else WaitRef.named_by(seq, "seq")
         spec = AgentRunApprovalSpec(agent_run=agent_run, seq=wait.seq, call=wait.call,
                                     attempt=wait.attempt, decision=decision,
                                     reason=reason, approver=self.whoami())

@@ -72,7 +72,7 @@ from agentrun.manifests import (
     pool_problem,
 )
 from agentrun.sql import queries
-from agentrun.tools import idempotency_key
+from agentrun.tools import idempotency_key, tool_uses
 from agentrun.vocabulary import (
     TERMINAL_STATUSES,
     EffectState,
@@ -1318,7 +1318,7 @@ class Store:
         if lost is None:
             return due
         seq, index, tool, kind, compensate, turn, busy_until = lost
-        calls = [b for b in (turn or {}).get("content", []) if b.get("type") == "tool_use"]
+        calls = tool_uses(turn or {})
         if index >= len(calls) or calls[index].get("name") != tool:
             return due  # a mark that does not name this turn's call: nothing to go on
         args = dict(calls[index].get("input") or {})
@@ -1413,7 +1413,7 @@ class Store:
         decision on that step is recorded. ``abort`` (with a rejection) ends the run instead,
         compensating what it did. Returns the call that was decided."""
         rid = parse_run_id(run_id)
-        ref = wait if isinstance(wait, WaitRef) else WaitRef(wait)
+        ref = WaitRef.named_by(wait, "wait")
         seq = ref.seq
         async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
@@ -1428,7 +1428,7 @@ class Store:
                 raise ConfigError(
                     f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
                 )
-            if ref.named and ref != WaitRef.of(pending):
+            if not ref.answers(pending):
                 raise ConfigError(f"run {rid} waits on {describe_wait(pending)}, not {ref}; "
                                   "nothing was recorded")
             if not ref.named:

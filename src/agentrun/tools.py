@@ -198,6 +198,12 @@ def run_logger(run_id: str, **extra: Any) -> logging.LoggerAdapter[logging.Logge
     return logging.LoggerAdapter(logging.getLogger("agentrun.tools"), {"run_id": run_id, **extra})
 
 
+def tool_uses(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A model turn's tool calls, in order (its tool_use blocks): a call's index is its place
+    among them."""
+    return [b for b in payload.get("content", []) if b.get("type") == "tool_use"]
+
+
 def idempotency_key(run_id: str, seq: int, tool: str, args: dict[str, Any], call_index: int) -> str:
     """The idempotency key of one tool call, derived from its position in the run.
 

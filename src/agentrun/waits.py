@@ -58,6 +58,14 @@ class WaitRef:
         return cls(seq, call, attempt)
 
     @classmethod
+    def named_by(cls, value: int | str | WaitRef, what: str) -> WaitRef:
+        """The wait ``value`` names: a WaitRef, a bare step number, or its text (parsed, a bad
+        one refused naming ``what``)."""
+        if isinstance(value, WaitRef):
+            return value
+        return cls.parse(value, what) if isinstance(value, str) else cls(value)
+
+    @classmethod
     def of(cls, pending: dict[str, Any]) -> WaitRef:
         """The wait a run's pending call (``Store.waited_on``) stands for."""
         unknown = pending.get("stage") == "outcome_unknown"
@@ -69,6 +77,12 @@ class WaitRef:
     def named(self) -> bool:
         """Whether the call is named (not a bare step number)."""
         return self.call is not None
+
+    def answers(self, pending: dict[str, Any]) -> bool:
+        """Whether this decision is about ``pending`` (Store.waited_on's call): its step, and,
+        when named, its call, stage and attempt. A bare step number answers any wait of the step
+        (Store.decide refuses it once the step had a decision)."""
+        return self.seq == int(pending["seq"]) and (not self.named or self == WaitRef.of(pending))
 
     def __str__(self) -> str:
         return ".".join(str(p) for p in (self.seq, self.call, self.attempt) if p is not None)
