@@ -411,14 +411,16 @@ async def actions(
         pruned = status.get("runId")
         if pruned:
             # The object had a run, since pruned from the store: nothing will ever act on it.
-            # Refused once and consumed, not retried every second for ever.
+            # Refused once and consumed (before the Event, as below), not retried every second
+            # for ever.
+            for key in keys:
+                await app.kube.consume_annotation(namespace or "", name, uid, key,
+                                                  str(annotations[key]))
             await app.event(ref, Event("Warning", Reason.ACTION_REFUSED, one_line(
                 f"{', '.join(keys)}: run {pruned} was pruned from the store; there is nothing "
                 "to act on (create a new AgentRun)", 1000)), str(pruned))
             log.warning("AgentRun %s/%s: %s refused: its run was pruned", namespace, name,
                         ", ".join(keys), extra={"run_id": str(pruned)})
-            for key in keys:
-                patch.metadata.annotations[key] = None
             return
         # Not accepted yet (a moment behind, or waiting for its Agent or its pool): tried again,
         # backing off to the Agent's retry delay, and not logged at each try.
@@ -432,11 +434,21 @@ async def actions(
         if key not in annotations:
             continue
         value = str(annotations[key]).strip()
+        # Every annotation is removed by _consume (only while it still reads what was acted on),
+        # never by kopf's patch: that one lands after the handler returns, whatever the
+        # annotation reads by then, and deleted the decision a human set on seeing this one's
+        # Event ("approve=3" refused, "approve=0" set, then erased with no Event: the run
+        # waited on).
+        consumed = False
         try:
             if key == CANCEL:
                 if value.lower() not in ("true", "yes", "1"):
                     raise ConfigError(f'{key} must be "true", not {value!r}')
+                # Acted on before it is consumed: a cancel applied twice is one cancel.
                 now, changed = await store.cancel(run.id, f"cancelled by {who}")
+                consumed = True
+                await app.kube.consume_annotation(namespace or "", name, uid, key,
+                                                  str(annotations[key]))
                 if not changed:
                     await app.event(ref, Event(
                         "Normal", Reason.CANCEL_IGNORED, one_line(
@@ -455,6 +467,7 @@ async def actions(
                 # kopf's removal retried a run that had failed again, with nobody asking.
                 if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
                     continue
+                consumed = True
                 try:
                     now = await store.retry(run.id, reason)  # ConfigError: refused
                 except DB_ERRORS as exc:
@@ -482,6 +495,7 @@ async def actions(
                 # applies it twice.
                 if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
                     continue
+                consumed = True
                 try:
                     call = await store.decide(run.id, wait, decision, decided_by=who)
                 except DB_ERRORS as exc:
@@ -497,6 +511,12 @@ async def actions(
             log.info("AgentRun %s/%s: %s=%r applied", namespace, name, key, value,
                      extra={"run_id": str(run.id)})
         except ConfigError as exc:
+            # Consumed before the Event says so: whoever reads it and sets the annotation again
+            # is never undone by this removal. Changed since it was read: the new value is
+            # handled next; this one is moot.
+            if not consumed and not await _consume(app, namespace or "", name, uid, key,
+                                                   annotations, run.id):
+                continue
             # The value is anyone's text: escaped on one line, or a newline in it forged rows of
             # `kubectl describe`'s Events table and an escape sequence reached the terminal.
             await app.event(ref, Event(
@@ -506,8 +526,6 @@ async def actions(
                         extra={"run_id": str(run.id)})
         except DB_ERRORS as exc:
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-        # Consumed: the same annotation can be set again for the next decision.
-        patch.metadata.annotations[key] = None
 
 
 async def _consume(

@@ -20,19 +20,25 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import kopf
 import psycopg
 import pytest
 import yaml
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.migrations import latest_version, schema_version
-from agentrun.store import Run, Store
+from agentrun.operator import handlers
+from agentrun.operator.api import APPROVE, Reason
+from agentrun.operator.app import APP, OperatorApp
+from agentrun.operator.kube import KubeApi
+from agentrun.store import K8sRef, Run, Store
 from tests.conftest import run_cli
 from tests.kubekit import Operators, agent_manifest, agentrun_manifest, eventually
 from tests.proxykit import TcpProxy
-from tests.realkube import Kube, Release, install_chart
+from tests.realkube import AGENTRUNS, Kube, Release, install_chart
 from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, free_port, wait_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -447,6 +453,61 @@ async def test_approve_and_reject_annotations_unblock_a_waiting_run(
         assert status(cluster, name).get("pendingApproval") is None
     assert "Approved" in cluster.reasons("approve-me")
     assert "Rejected" in cluster.reasons("reject-me")
+
+
+class _HandlerApp(OperatorApp):
+    """The operator's app as the actions handler asks it: the store, the real API server's client
+    (annotations are consumed on the API server), settings; Events recorded."""
+
+    def __init__(self, store: Store, kube: KubeApi) -> None:  # none of the app's own start-up
+        self.store = store
+        self.kube = kube
+        self.settings = SimpleNamespace(  # type: ignore[assignment]
+            approval_annotations=True, agent_retry_delay=15.0)
+        self.events: list[str] = []
+
+    async def ready_store(self, *_: Any, **__: Any) -> Store:  # type: ignore[override]
+        return self.store
+
+    async def event(self, ref: Any, event: Any, run_id: Any) -> None:  # type: ignore[override]
+        self.events.append(event.reason)
+
+
+async def test_a_decision_set_on_seeing_the_last_ones_event_is_never_erased(
+    cluster: Kube, store: Store
+) -> None:
+    """Found by CI: "approve=3" refused, the human sets "approve=0" on seeing the refusal, then
+    the handler's own patch (kopf applies it after the handler returned) erased "0": no Event, and
+    the run waited for ever. The handler is driven here as kopf drives it, its patch applied the
+    way kopf applies it, with the human's annotation landing in between, every time."""
+    obj = cluster.apply_agentrun(agentrun_manifest("late"))
+    uid, path = obj["metadata"]["uid"], f"{AGENTRUNS}/namespaces/{cluster.namespace}/agentruns/late"
+    run, _ = await store.create_run("t", AGENT, k8s=K8sRef(cluster.namespace, "late", uid))
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+    await store.wait_for_approval(lease, "approval required", {
+        "seq": 0, "call_index": 0, "tool": "drop_table", "input": {}, "stage": "before_call"})
+    app = _HandlerApp(store, KubeApi(cluster.api))
+
+    async def handle_then(human: dict[str, str | None]) -> None:
+        annotations = (cluster.agentrun("late") or {})["metadata"]["annotations"]
+        patch = kopf.Patch()
+        await handlers.actions(annotations=annotations, namespace=cluster.namespace,
+                               name="late", uid=uid, status={}, patch=patch, memo={APP: app})
+        cluster.annotate("late", human)  # the human reads the Event and acts
+        if patch:
+            cluster.patch(path, dict(patch))  # kopf's patch, after the handler returned
+
+    def annotation() -> str | None:
+        return ((cluster.agentrun("late") or {})["metadata"].get("annotations") or {}).get(APPROVE)
+
+    cluster.annotate("late", {APPROVE: "3"})
+    await handle_then({APPROVE: "0"})
+    assert app.events == [Reason.ACTION_REFUSED]
+    assert annotation() == "0", "the decision set after the refusal was erased"
+    await handle_then({APPROVE: "0.1"})  # approved; the human answers the step's next call
+    assert app.events == [Reason.ACTION_REFUSED, Reason.APPROVED]
+    assert (await store.get_run(run.id)).status == "pending"
+    assert annotation() == "0.1", "the decision set after the approval was erased"
 
 
 async def test_delete_lets_the_object_go_at_once_cancels_the_run_and_keeps_the_history(
