@@ -582,3 +582,23 @@ async def test_a_call_cut_off_by_its_timeout_is_undone_on_a_rollback(store: Stor
     assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
                                          "unhold for slow_hold (step 0, outcome unknown)")
     assert UNKNOWN == [True]
+
+
+async def test_a_call_an_older_worker_was_lost_inside_is_undone_from_the_registry(
+    store: Store,
+) -> None:
+    """A rolling upgrade: a worker of the previous build, whose marks name no undo, is lost
+    inside hold; the rollback by this build's worker found nothing to undo and reported the run
+    cancelled with the hold perhaps in place. The tool's undo is read from the registry."""
+    run, lease, block = await one_call_turn(store, "hold")
+    ex = executor(store)
+    mark = ex._mark(RunHandle(run, lease, lease_ttl=60), TOOLS.get("hold"), 0, 0)
+    older = {k: v for k, v in mark.items() if k not in ("compensate", "kind")}
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"},
+                            tool_call=older)  # then w1 is lost inside hold
+    await expire(store, run.id)
+    await store.request_rollback(run.id, "cancelled", "plans changed")
+    done = await next_claim_ends(store, ex, "w2")
+    assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
+                                         "unhold for hold (step 0, outcome unknown)")
+    assert UNKNOWN == [True]

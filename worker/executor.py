@@ -614,11 +614,21 @@ class RunExecutor:
         lost at index 1 was forgotten once the resume re-ran index 0 (and that worker was lost
         too), and the rollback reported the run compensated with it in place."""
         mark = h.run.tool_call or {}
-        if not ("compensate" in mark and "kind" in mark and "lease_until" in mark):
+        # lease_until: added by the claim that found the worker dead. An older worker's mark
+        # (a rolling upgrade) names no undo: this worker's registry may know the tool's.
+        if "lease_until" not in mark or not (
+                "compensate" in mark or self._undo_of(str(mark.get("tool")))):
             return  # the usual claim: no query
-        for effect in await self.store.compensations_due(h.run.id):
+        for effect in await self.store.compensations_due(h.run.id, self._undo_of):
             if effect.state == "unrecorded":
                 await self._record_intent(h, effect)
+
+    def _undo_of(self, tool: str) -> tuple[str, str] | None:
+        """The compensation and kind of ``tool`` as this worker's registry declares them."""
+        if tool not in self.registry:
+            return None
+        spec = self.registry.get(tool)
+        return None if spec.compensate is None else (spec.compensate, spec.kind.value)
 
     async def _record_intent(self, h: RunHandle, effect: Effect) -> None:
         sent = time.monotonic()

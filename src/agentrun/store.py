@@ -1306,10 +1306,15 @@ class Store:
                 # Held, and the row was there already (an intent recorded twice, or an outcome
                 # already done): nothing to change.
 
-    async def compensations_due(self, run_id: UUID) -> list[Effect]:
+    async def compensations_due(
+        self, run_id: UUID, undo: Callable[[str], tuple[str, str] | None] | None = None
+    ) -> list[Effect]:
         """The effects a rollback of the run undoes, newest first: those recorded (done, or an
         intent whose outcome is unknown), and before them the compensable call a worker was lost
-        inside before recording it (state "unrecorded"; queries.sql lost_call), the newest."""
+        inside before recording it (state "unrecorded"; queries.sql lost_call), the newest.
+
+        ``undo``: a tool's compensation and kind, for a lost call whose mark names none (an older
+        worker's, written before marks named the undo): a worker's registry knows them."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=known_row(Effect))
             await cur.execute(queries["compensations_due"], {"run_id": run_id})
@@ -1318,6 +1323,11 @@ class Store:
         if lost is None:
             return due
         seq, index, tool, kind, compensate, turn, busy_until = lost
+        if compensate is None:
+            known = undo(tool) if undo is not None else None
+            if known is None:
+                return due  # not a compensable call, as far as anyone here knows
+            compensate, kind = known
         calls = tool_uses(turn or {})
         if index >= len(calls) or calls[index].get("name") != tool:
             return due  # a mark that does not name this turn's call: nothing to go on

@@ -492,12 +492,12 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
  ORDER BY e.seq DESC, e.call_index DESC;
 
 -- lost_call --
--- The call of a compensable tool whose worker was lost inside it, outcome never recorded: such a
--- call is recorded only once it returns, so its mark (begin_tool_call: "compensate" names its
--- undo) is all that says an effect may need undoing, with the lease_until the claim that found
--- the worker dead added to it (agentrun_tool_loss_v1). Not once a later holder recorded it (a
--- resume calls it again under the same key) or its compensation is logged. Its model turn, for
--- the call's arguments.
+-- The call a worker was lost inside, outcome never recorded: a compensable tool's call is recorded
+-- only once it returns, so its mark (begin_tool_call: "compensate" names its undo) is all that says
+-- an effect may need undoing, with the lease_until the claim that found the worker dead added to
+-- it (agentrun_tool_loss_v1). A mark an older worker wrote (a rolling upgrade) names no undo:
+-- compensate and kind NULL, which the caller's registry may know. Not once a later holder recorded it (a resume calls it again
+-- under the same key) or its compensation is logged. Its model turn, for the call's arguments.
 SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int AS call_index,
        r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'kind' AS kind,
        r.tool_call ->> 'compensate' AS compensate, s.payload AS turn,
@@ -506,8 +506,7 @@ SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int 
   FROM agent_run r
   JOIN agent_step s ON s.run_id = r.id AND s.seq = (r.tool_call ->> 'seq')::int
                    AND s.kind = 'model_turn'
- WHERE r.id = %(run_id)s AND r.tool_call ? 'compensate' AND r.tool_call ? 'kind'
-   AND r.tool_call ? 'lease_until'
+ WHERE r.id = %(run_id)s AND r.tool_call ? 'tool' AND r.tool_call ? 'lease_until'
    AND NOT EXISTS (
        SELECT 1 FROM tool_effect e
         WHERE e.run_id = r.id AND e.seq = (r.tool_call ->> 'seq')::int
