@@ -64,6 +64,15 @@ def slow_hold(ctx: ToolContext, item: str, how: str) -> str:
     return f"held {item} late"
 
 
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", timeout=0.2,
+      on_error="abort")
+def slow_grab(ctx: ToolContext, item: str, how: str) -> str:
+    """Grab an item, past the call's timeout, which fails the run (its thread returns at the
+    end of the test)."""
+    RELEASE.wait()
+    return f"grabbed {item} late"
+
+
 @tool(kind="pure", registry=TOOLS)
 def peek(ctx: ToolContext, item: str) -> str:
     """Look at an item (no effect)."""
@@ -572,6 +581,7 @@ async def test_a_call_cut_off_by_its_timeout_is_undone_on_a_rollback(store: Stor
     await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
     ex = executor(store)
     h = RunHandle(run, lease, lease_ttl=60)
+    called = datetime.now(UTC)  # cut off 0.2 s after this, at the earliest
     told = await ex.call_tool(h, 0, 0, block, None)
     assert set(told) == {"type", "tool_use_id", "content", "is_error"}, told
     assert told["is_error"] is True and told["content"].startswith("ToolTimeout")
@@ -582,6 +592,31 @@ async def test_a_call_cut_off_by_its_timeout_is_undone_on_a_rollback(store: Stor
     assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
                                          "unhold for slow_hold (step 0, outcome unknown)")
     assert UNKNOWN == [True]
+    # Its thread may still take effect: undone only once its timeout (0.2 s) passed once more.
+    assert UNDONE_AT[0] >= called + timedelta(seconds=0.4)
+
+
+async def test_a_call_whose_timeout_failed_its_run_is_undone_by_its_rollback(
+    store: Store,
+) -> None:
+    """A compensable call whose timeout fails the run (on_error="abort") recorded nothing: the
+    rollback that follows at once passed it by, and its thread, still running, could take
+    effect after the run said it was rolled back. It is recorded as an unknown outcome, and
+    undone once its timeout passed once more."""
+    run, lease, block = await one_call_turn(store, "slow_grab")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    ex = executor(store)
+    h = RunHandle(run, lease, lease_ttl=60)
+    called = datetime.now(UTC)  # cut off 0.2 s after this, at the earliest
+    with pytest.raises(RunFailed, match="ToolTimeout") as failed:
+        await ex.call_tool(h, 0, 0, block, None)
+    await ex.abort(h, str(failed.value))
+    done = await store.get_run(run.id)
+    assert done.status == "failed"
+    assert done.error == (f"{failed.value}; compensated: unhold for slow_grab (step 0, outcome "
+                          "unknown)")
+    assert UNKNOWN == [True]
+    assert UNDONE_AT[0] >= called + timedelta(seconds=0.4)
 
 
 async def test_a_call_an_older_worker_was_lost_inside_is_undone_from_the_registry(

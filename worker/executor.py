@@ -639,16 +639,17 @@ class RunExecutor:
         self._committed(h, sent)
 
     async def _outwait(self, h: RunHandle, effect: Effect, until: datetime) -> None:
-        """Wait, before undoing a call a lost worker may still be inside, until it cannot be
-        (Effect.busy_until: its lease's end plus the call's timeout, as _previous_holder tells a
-        human): undone at once, the compensation found nothing yet and was recorded, and the
-        call then completed, its effect in place."""
+        """Wait, before undoing a call a thread may still be inside, until it cannot be
+        (Effect.busy_until: a lost worker's lease's end plus the call's timeout, as
+        _previous_holder tells a human; a timed-out call's timeout once more): undone at once,
+        the compensation found nothing yet and was recorded, and the call then completed, its
+        effect in place."""
         delay = (until - datetime.now(UTC)).total_seconds()
         if delay <= 0:
             return
-        log.warning("undoing %s (step %d) at %s UTC: the worker lost inside it may still be "
-                    "in it until then (its lease's end plus the call's timeout)", effect.tool,
-                    effect.seq, f"{until.astimezone(UTC):%H:%M:%S}")
+        log.warning("undoing %s (step %d) at %s UTC: a call of it that did not return (its "
+                    "worker lost, or cut off by its timeout) may still be running until then",
+                    effect.tool, effect.seq, f"{until.astimezone(UTC):%H:%M:%S}")
         with h.progress.working(f"waiting for {effect.tool} to end",
                                 deadline=time.monotonic() + delay):
             await asyncio.sleep(delay)
@@ -754,12 +755,20 @@ class RunExecutor:
             return {**result, **{k: v for k, v in effect.result.items() if k in SHOWN}}
         key = idempotency_key(h.run_id, turn_seq, name, args, index)
 
-        async def record(state: EffectState, outcome: dict[str, Any] | None = None) -> None:
+        async def record(state: EffectState, outcome: dict[str, Any] | None = None,
+                         busy_until: datetime | None = None) -> None:
             sent = time.monotonic()
             await self.store.record_effect(
                 h.lease, turn_seq, index, key=key, tool=name, tool_kind=spec.kind.value,
-                state=state, result=outcome, tool_input=args, compensate=spec.compensate)
+                state=state, result=outcome, tool_input=args, compensate=spec.compensate,
+                busy_until=busy_until)
             self._committed(h, sent)
+
+        def cut_off() -> datetime:
+            # A call cut off by its timeout just now: its thread runs on, and a rollback undoes
+            # it only once the timeout has passed once more (undone at once, the compensation
+            # found nothing yet, and the late call then took effect). A bound, not a proof.
+            return datetime.now(UTC) + timedelta(seconds=self._timeout(spec))
 
         intent = 1  # which attempt of an irreversible call this is (its intent's count)
         if spec.kind is ToolKind.IRREVERSIBLE:
@@ -783,15 +792,26 @@ class RunExecutor:
             # A call that fails its run (on_error="abort") records nothing: a retry calls it
             # again under the same key, and an irreversible one's intent stays unknown (its
             # re-run is a human's decision; a rollback undoes it, told the outcome is unknown).
-            outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
+            # Unless its timeout failed a compensable one: its thread runs on, and the run's
+            # rollback, which follows at once, must undo it (recorded as nothing, it was left in
+            # place). Undone, the run is not retried; any other stays unrecorded, for a retry.
+            try:
+                outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
+            except RunFailed as failed:
+                if spec.compensate is not None and isinstance(failed.__cause__, ToolTimeout):
+                    await record("done", {"content": str(failed), "is_error": True,
+                                          UNKNOWN_OUTCOME: True}, cut_off())
+                raise
         crash_point("after_tool_return", turn_seq)
         if recorded:
             # A re-run of an unknown outcome (an intent was there: an approved irreversible
             # re-run, or a call an earlier worker was lost inside) that failed leaves the earlier
             # attempt's outcome unknown: a rollback must still undo it.
             again = effect is not None and effect.state == "intent"
+            timed_out = bool(outcome.get(UNKNOWN_OUTCOME))  # _invoke: cut off by its timeout
             await record("done", {**outcome, UNKNOWN_OUTCOME: True}
-                         if again and outcome.get("is_error") else outcome)
+                         if again and outcome.get("is_error") else outcome,
+                         cut_off() if timed_out else None)
         return {**result, **{k: v for k, v in outcome.items() if k in SHOWN}}
 
     async def _gate_irreversible(

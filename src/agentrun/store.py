@@ -588,8 +588,9 @@ class Effect:
     input: dict[str, Any]
     compensate: str | None
     attempts: int = 1  # execution attempts started (an irreversible call: one per decision)
-    # Until when the worker lost inside the call may still be in it (its lease's end plus the
-    # call's timeout): a rollback undoes it only after (migration 0023). None: no such bound.
+    # Until when a thread may still be inside the call: a lost worker's (its lease's end plus
+    # the call's timeout), or a timed-out call's (its timeout's moment plus the timeout once
+    # more); a rollback undoes it only after (migration 0023). None: no such bound.
     busy_until: datetime | None = None
 
 

@@ -548,7 +548,9 @@ SELECT fence.id, %(seq)s, %(call_index)s, %(key)s, %(tool)s, %(tool_kind)s, %(st
   FROM fence
 ON CONFLICT (run_id, seq, call_index) DO UPDATE
    SET state = 'done', result = EXCLUDED.result, completed_at = clock_timestamp(),
-       lease_epoch = EXCLUDED.lease_epoch, worker = EXCLUDED.worker
+       lease_epoch = EXCLUDED.lease_epoch, worker = EXCLUDED.worker,
+       -- the later bound of the two (a lost call's re-run that timed out): greatest skips NULL
+       busy_until = greatest(tool_effect.busy_until, EXCLUDED.busy_until)
  WHERE tool_effect.state = 'intent' AND EXCLUDED.state = 'done'
 RETURNING state;
 
