@@ -496,8 +496,9 @@ SELECT e.seq, e.call_index, e.idempotency_key, e.tool, e.tool_kind, e.state, e.r
 -- only once it returns, so its mark (begin_tool_call: "compensate" names its undo) is all that says
 -- an effect may need undoing, with the lease_until the claim that found the worker dead added to
 -- it (agentrun_tool_loss_v1). A mark an older worker wrote (a rolling upgrade) names no undo:
--- compensate and kind NULL, which the caller's registry may know. Not once a later holder recorded it (a resume calls it again
--- under the same key) or its compensation is logged. Its model turn, for the call's arguments.
+-- compensate and kind NULL, which the caller's registry may know. Not once a later holder
+-- recorded it (a resume calls it again under the same key) or its compensation is logged. Its
+-- model turn, for the call's arguments.
 SELECT (r.tool_call ->> 'seq')::int AS seq, (r.tool_call ->> 'call_index')::int AS call_index,
        r.tool_call ->> 'tool' AS tool, r.tool_call ->> 'kind' AS kind,
        r.tool_call ->> 'compensate' AS compensate, s.payload AS turn,
