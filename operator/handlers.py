@@ -10,7 +10,8 @@
 * annotations ``agentrun.dev/cancel: "true"``, ``agentrun.dev/approve: "<seq>.<call>"``,
   ``agentrun.dev/reject: "<seq>.<call>"`` (the wait, as .status.pendingApproval.decide names
   it), ``agentrun.dev/retry: "true"`` (or a reason): acted on in
-  the store, then removed (consumed), with an Event saying what was done or why it was refused.
+  the store and removed (consumed), with an Event saying what was done or why it was refused;
+  on every event of an object carrying one (:func:`on_action`), not on kopf's change detection.
   The approve/reject annotations are unauthenticated (whoever may patch the AgentRun decides);
   ``approval_annotations=False`` refuses them. AgentRunApproval objects, whose approver the API
   server vouches for, are handled in :mod:`agentrun.operator.approvals`.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -41,7 +42,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from agentrun.errors import ConfigError, DatabaseUnavailable
+from agentrun.errors import ConfigError, DatabaseUnavailable, RunNotFound
 from agentrun.faults import crash_point
 from agentrun.manifests import AgentRef, AgentRunSpec, AgentSpec
 from agentrun.operator import approvals
@@ -59,7 +60,7 @@ from agentrun.operator.api import (
     Reason,
 )
 from agentrun.operator.app import APP, OUTAGES, OperatorApp, backoff, memo_get
-from agentrun.operator.kube import KubeApi
+from agentrun.operator.kube import KubeApi, NotFound
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.settings import OperatorSettings
 from agentrun.operator.status import (
@@ -178,7 +179,7 @@ def _validation_message(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def has_action(annotations: kopf.Annotations, **_: Any) -> bool:
+def has_action(annotations: Mapping[str, str], **_: Any) -> bool:
     return any(key in annotations for key in ACTIONS)
 
 
@@ -198,6 +199,19 @@ class Expiries:
 
     expiring: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     deleting: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Acting:
+    """The action annotations' bookkeeping (see :func:`on_action`): one task per object acting on
+    its annotations, and the objects that had an event while theirs acted (read once more)."""
+
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    again: set[str] = field(default_factory=set)
+
+
+#: Where the action annotations' bookkeeping is kept in kopf's memo.
+ACTING = "agentrun_acting"
 
 
 def _app(memo: kopf.Memo) -> OperatorApp:
@@ -226,8 +240,8 @@ def build_registry(config: OperatorSettings) -> kopf.OperatorRegistry:
     kopf.index(*AGENTS, registry=registry, id="agents_by_name")(agents_by_name)
     kopf.on.create(*AGENTRUNS, registry=registry, id="run", backoff=5)(create_run)
     kopf.on.resume(*AGENTRUNS, registry=registry, id="track")(resume)
-    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
-        on(*AGENTRUNS, registry=registry, id="actions", when=has_action)(actions)
+    # Every event, not kopf's change detection: see on_action.
+    kopf.on.event(*AGENTRUNS, registry=registry, id="actions", when=has_action)(on_action)
     kopf.on.event(*AGENTRUNS, registry=registry, id="ttl")(ttl)
     kopf.on.event(*AGENTRUNS, registry=registry, id="cancel-on-delete")(deleted)
     return registry
@@ -250,8 +264,10 @@ async def start(config: OperatorSettings, ks: kopf.OperatorSettings, memo: kopf.
         prefix="operator.agentrun.dev",
         key="last-handled-configuration",
         # The spec is immutable (CEL) and may be 100s of KB (the task): kopf would copy it
-        # into this annotation, and an annotation over 256 KiB wedges the object.
-        ignored_fields=["spec"],
+        # into this annotation, and an annotation over 256 KiB wedges the object. The action
+        # annotations are anyone's text too (a 180 KB one made kopf's own patch fail, with a
+        # traceback), and no kopf handler compares them (on_action).
+        ignored_fields=["spec", *(("metadata", "annotations", key) for key in ACTIONS)],
     )
     ks.posting.enabled = False  # Events come from the operator alone (app.event)
     logging.getLogger("kopf.objects").addFilter(_QuietAgentRetries())
@@ -265,6 +281,7 @@ async def start(config: OperatorSettings, ks: kopf.OperatorSettings, memo: kopf.
     app = OperatorApp(config, kube, metrics)
     memo[APP] = app
     memo[EXPIRIES] = Expiries()
+    memo[ACTING] = Acting()
     memo[approvals.WORKING] = approvals.Working()
     await app.start()
 
@@ -388,12 +405,80 @@ async def resume(
     _app(memo).mirror.track(namespace or "", name, uid, dict(status), meta.get("generation"))
 
 
+# The action annotations: a raw-event handler, not kopf's on.update. kopf calls an update handler
+# only when the object differs from the last body it handled, which held the annotation: the same
+# value set again by a second human a moment after the first one's was consumed (or X, then Y, then
+# X within one of kopf's batches) looked like no change and was never handled, until some other
+# change to the object applied it, a retry included, long after, with nobody asking. Every event
+# of an object carrying one now makes sure one task acts on what the object reads (from the API
+# server: an event's body may be older than the consume that followed it), again while events
+# keep coming; retries (no run yet, the database or the API server down) are the task's own.
+async def on_action(
+    event: kopf.RawEvent, namespace: str | None, name: str, uid: str, memo: kopf.Memo, **_: Any,
+) -> None:
+    if event.get("type") == "DELETED":
+        return
+    acting = memo_get(memo, ACTING, Acting)
+    if uid in acting.tasks:
+        acting.again.add(uid)  # read once more when the running pass ends
+        return
+    acting.tasks[uid] = watch(asyncio.create_task(
+        act(memo, acting, namespace or "", name, uid), name=f"actions-{uid}"),
+        lambda exc: log.error("AgentRun %s/%s: acting on its annotations failed: %s",
+                              namespace, name, describe(exc)))
+
+
+async def act(memo: kopf.Memo, acting: Acting, namespace: str, name: str, uid: str) -> None:
+    """Act on the object's action annotations until none is left to act on and no event came
+    meanwhile; an outage is said once and retried, backing off."""
+    app = _app(memo)
+    retry, outage_said = 0, False
+    try:
+        while True:
+            acting.again.discard(uid)
+            run_id: Any = None
+            try:
+                obj = await app.kube.get_agentrun(namespace, name)
+                meta = obj.get("metadata") or {}
+                if meta.get("uid") != uid:
+                    return  # deleted, or re-created under the name: its own events act on it
+                status = dict(obj.get("status") or {})
+                run_id = status.get("runId")
+                annotations = dict(meta.get("annotations") or {})
+                if has_action(annotations):
+                    await actions(annotations=annotations, namespace=namespace, name=name,
+                                  uid=uid, status=status, patch=kopf.Patch(), memo=memo,
+                                  retry=retry)
+                retry, outage_said = 0, False
+            except NotFound:
+                return
+            except kopf.TemporaryError as exc:  # no run yet, or the database is down
+                await asyncio.sleep(exc.delay if exc.delay is not None else DB_RETRY_DELAY)
+                retry += 1
+                continue
+            except OUTAGES as exc:
+                if not outage_said:
+                    outage_said = True
+                    log.warning("AgentRun %s/%s: its annotations are not acted on yet (%s); "
+                                "retrying", namespace, name,
+                                one_line(str(exc) or type(exc).__name__, 300),
+                                extra={"run_id": str(run_id)})
+                await asyncio.sleep(backoff(retry))
+                retry += 1
+                continue
+            if uid not in acting.again:
+                return
+    finally:
+        if acting.tasks.get(uid) is asyncio.current_task():  # not a successor's entry
+            del acting.tasks[uid]
+
+
 async def actions(
-    annotations: kopf.Annotations,
+    annotations: Mapping[str, str],
     namespace: str | None,
     name: str,
     uid: str,
-    status: kopf.Status,
+    status: Mapping[str, Any],
     patch: kopf.Patch,
     memo: kopf.Memo,
     retry: int = 0,
@@ -510,7 +595,10 @@ async def actions(
                 ), run.id)
             log.info("AgentRun %s/%s: %s=%r applied", namespace, name, key, value,
                      extra={"run_id": str(run.id)})
-        except ConfigError as exc:
+        except (ConfigError, RunNotFound) as exc:
+            # Pruned between the lookup above and the action (agentrun prune beside it).
+            why = (f"run {run.id} was pruned from the store; there is nothing to act on "
+                   "(create a new AgentRun)" if isinstance(exc, RunNotFound) else str(exc))
             # Consumed before the Event says so: whoever reads it and sets the annotation again
             # is never undone by this removal. Changed since it was read: the new value is
             # handled next; this one is moot.
@@ -520,9 +608,9 @@ async def actions(
             # The value is anyone's text: escaped on one line, or a newline in it forged rows of
             # `kubectl describe`'s Events table and an escape sequence reached the terminal.
             await app.event(ref, Event(
-                "Warning", Reason.ACTION_REFUSED, one_line(f"{key}={value!r}: {exc}", 1000)),
+                "Warning", Reason.ACTION_REFUSED, one_line(f"{key}={value!r}: {why}", 1000)),
                 run.id)
-            log.warning("AgentRun %s/%s: %s=%r refused: %s", namespace, name, key, value, exc,
+            log.warning("AgentRun %s/%s: %s=%r refused: %s", namespace, name, key, value, why,
                         extra={"run_id": str(run.id)})
         except DB_ERRORS as exc:
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
@@ -530,7 +618,7 @@ async def actions(
 
 async def _consume(
     app: OperatorApp, namespace: str, name: str, uid: str, key: str,
-    annotations: kopf.Annotations, run_id: UUID,
+    annotations: Mapping[str, str], run_id: UUID,
 ) -> bool:
     """Remove the action annotation ``key`` as it is now (a JSON patch testing its value), before
     acting on it; False: it was consumed before (a replay of this handler), so not acted on."""

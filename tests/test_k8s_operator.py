@@ -10,6 +10,7 @@ pid, and no operator may log a Forbidden (the chart's RBAC must be enough).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,9 +33,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.migrations import latest_version, schema_version
 from agentrun.operator import handlers
-from agentrun.operator.api import APPROVE, Reason
+from agentrun.operator.api import APPROVE, RETRY, Reason
 from agentrun.operator.app import APP, OperatorApp
 from agentrun.operator.kube import KubeApi
+from agentrun.sql import queries
 from agentrun.store import K8sRef, Run, Store
 from tests.conftest import run_cli
 from tests.kubekit import Operators, agent_manifest, agentrun_manifest, eventually
@@ -508,6 +511,116 @@ async def test_a_decision_set_on_seeing_the_last_ones_event_is_never_erased(
     assert app.events == [Reason.ACTION_REFUSED, Reason.APPROVED]
     assert (await store.get_run(run.id)).status == "pending"
     assert annotation() == "0.1", "the decision set after the approval was erased"
+
+
+def annotations_of(cluster: Kube, name: str) -> dict[str, str]:
+    return dict(((cluster.agentrun(name) or {}).get("metadata") or {}).get("annotations") or {})
+
+
+def refusals(cluster: Kube, name: str) -> list[str]:
+    return [e["message"] for e in events_of(cluster, name, "ActionRefused")]
+
+
+async def waiting_on_step_0(cluster: Kube, store: Store, name: str) -> Run:
+    """An applied AgentRun (its Agent requires approval) whose run waits on step 0's call 0."""
+    cluster.apply_agent(agent_manifest(requireApproval=True))
+    cluster.apply_agentrun(agentrun_manifest(name))
+    run = await run_of(store, cluster, name)
+    [(_, lease)] = (await store.with_lease_ttl(60).claim("default", "w")).claimed
+    await store.wait_for_approval(lease, "approval required (step 0)", {
+        "seq": 0, "call_index": 0, "tool": "drop_table", "input": {}, "stage": "before_call"})
+    return run
+
+
+@contextlib.contextmanager
+def row_held(database_url: str, run_id: Any) -> Iterator[None]:
+    """The run's row locked for a moment: the operator's store call on it waits there, after it
+    consumed the annotation. Only to make a window repeatable; the lock is not the bug."""
+    with psycopg.connect(database_url) as lock:
+        lock.execute("SELECT id FROM agent_run WHERE id = %s FOR UPDATE", (run_id,))
+        yield
+        lock.rollback()
+
+
+async def test_the_same_decision_set_again_after_it_was_consumed_is_answered(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    """Found by an adversarial review (2026-12-07): kopf called the handler only when the object
+    differed from the last body it handled, which held approve=0.0; a second human's approve=0.0
+    set right after the first one's was consumed looked like no change: no Event, left on the
+    object. A retry=true left so was applied when some other change came, after the run had
+    failed again, with nobody asking. Every event is acted on now."""
+    operators.start()
+    run = await waiting_on_step_0(cluster, store, "again")
+    await eventually(lambda: status(cluster, "again").get("phase") == "waiting_approval", 15,
+                     "waiting")
+    with row_held(database_url, run.id):
+        cluster.annotate("again", {APPROVE: "0.0"})
+        await eventually(lambda: APPROVE not in annotations_of(cluster, "again"), 15, "consumed")
+        cluster.annotate("again", {APPROVE: "0.0"})  # the second approver
+    await wait_run(store, run.id, lambda r: r.status == "pending", 15)
+    await eventually(lambda: refusals(cluster, "again"), 15, "the second one answered")
+    assert APPROVE not in annotations_of(cluster, "again")
+    assert len(events_of(cluster, "again", "Approved")) == 1
+
+    # The same with retry: the second one refused (the run is live), not left for later.
+    [(_, lease)] = (await store.with_lease_ttl(60).claim("default", "w")).claimed
+    await store.finish(lease, "failed", error="tool crashed")
+    await eventually(lambda: status(cluster, "again").get("phase") == "failed", 15, "failed")
+    with row_held(database_url, run.id):
+        cluster.annotate("again", {RETRY: "true"})  # alice
+        await eventually(lambda: RETRY not in annotations_of(cluster, "again"), 15, "consumed")
+        cluster.annotate("again", {RETRY: "true"})  # bob, a moment later
+    await eventually(lambda: len(refusals(cluster, "again")) == 2, 15, "bob's retry answered")
+    assert any(f"retry='true': run {run.id} is still pending" in m
+               for m in refusals(cluster, "again")), refusals(cluster, "again")
+    assert RETRY not in annotations_of(cluster, "again")
+    assert (await store.get_run(run.id)).retries == 1
+
+
+async def test_a_retry_racing_a_prune_is_refused_with_an_event(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    """Found by the same review: the run pruned between the operator's lookup and its retry
+    (agentrun prune beside it) raised RunNotFound through the handler: a traceback, the
+    annotation consumed, and never an Event."""
+    op = operators.start()
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest("pruned"))
+    run = await run_of(store, cluster, "pruned")
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+    await store.finish(lease, "failed", error="tool crashed")
+    await eventually(lambda: status(cluster, "pruned").get("phase") == "failed", 15, "failed")
+    with psycopg.connect(database_url) as prune:  # a prune's batch, its transaction still open
+        prune.execute(queries["prune_set_flag"])
+        batch = prune.execute(queries["prune_batch"], {
+            "cutoff": datetime.now(UTC) + timedelta(hours=1), "statuses": ["failed"],
+            "batch": 10}).fetchone()
+        assert batch is not None and batch[0] == 1
+        cluster.annotate("pruned", {RETRY: "true"})
+        await eventually(lambda: RETRY not in annotations_of(cluster, "pruned"), 15, "consumed")
+        prune.commit()
+    await eventually(lambda: refusals(cluster, "pruned"), 15, "a refusal")
+    assert f"run {run.id} was pruned from the store" in refusals(cluster, "pruned")[0]
+    assert "Traceback" not in op.output()
+
+
+async def test_a_huge_action_value_is_refused_and_leaves_the_object_working(
+    cluster: Kube, operators: NsOperators, store: Store
+) -> None:
+    """Found by the same review: kopf copied the action annotation into its own bookkeeping
+    annotation, and a 180 KB value (the API server takes it) made kopf's patch fail, with a
+    traceback and throttling. kopf keeps none of the action annotations now."""
+    op = operators.start()
+    run = await waiting_on_step_0(cluster, store, "huge")
+    cluster.annotate("huge", {APPROVE: "0.0 " + "é&<" * 45000})
+    await eventually(lambda: refusals(cluster, "huge"), 15, "a refusal")
+    await eventually(lambda: APPROVE not in annotations_of(cluster, "huge"), 15, "consumed")
+    cluster.annotate("huge", {APPROVE: "0.0"})
+    await wait_run(store, run.id, lambda r: r.status == "pending", 15)
+    assert "Traceback" not in op.output()
+    kept = "".join(annotations_of(cluster, "huge").values())
+    assert "é&<" not in kept and "\\u00e9&<" not in kept  # in no bookkeeping of kopf's
 
 
 async def test_delete_lets_the_object_go_at_once_cancels_the_run_and_keeps_the_history(
