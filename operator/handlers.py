@@ -572,20 +572,17 @@ async def actions(
                         f"set together with {other}={str(annotations[other]).strip()!r}: "
                         "nothing was decided; set one of them again")
                 decision = VERDICTS["approve" if key == APPROVE else "reject"]
-                # Consumed before it is acted on: kopf removes an annotation only after the
-                # handler returns, so an operator killed in between ran it again after its
-                # restart, and the same "approve=3" decided whatever the run waited on by then
-                # (the next irreversible call of that step) with no human looking. Now a death
-                # in between loses the decision (the run still waits; set it again), never
-                # applies it twice.
-                if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
-                    continue
-                consumed = True
-                try:
-                    call = await store.decide(run.id, wait, decision, decided_by=who)
-                except DB_ERRORS as exc:
-                    raise _not_recorded(exc) from None
+                # Acted on, then consumed: an operator killed in between acts on it again once
+                # back, and the store refuses it, saying who decided that wait (a decision names
+                # its wait, which never comes back, and a bare step number is refused once the
+                # step had a decision), so it is never applied twice nor to a wait nobody
+                # looked at. Consumed first, as before named waits, such a death lost the
+                # decision without a word. A database error leaves it to be tried again.
+                call = await store.decide(run.id, wait, decision, decided_by=who)
                 crash_point("operator_after_annotation_decide", wait.seq)
+                consumed = True
+                await app.kube.consume_annotation(namespace or "", name, uid, key,
+                                                  str(annotations[key]))
                 await app.event(ref, Event(
                     "Normal",
                     Reason.APPROVED if key == APPROVE else Reason.REJECTED,

@@ -178,7 +178,9 @@ async def test_a_late_bare_decision_never_decides_the_steps_next_wait(store: Sto
     for late, why in [
         (0, "step 0 was decided before (approved by alice) and now waits on 0.1 (wire_money, "
             "before call); name that wait to decide it (0.1); nothing was recorded"),
-        (WaitRef(0, 0), "waits on 0.1 (wire_money, before call), not 0.0; nothing was recorded"),
+        # Named, the late one hears who decided the wait it names.
+        (WaitRef(0, 0), "waits on 0.1 (wire_money, before call), not 0.0, which was decided "
+                        "before (approved by alice); nothing was recorded"),
         (WaitRef(0, 1, 1), "waits on 0.1 (wire_money, before call), not 0.1.1"),
     ]:
         with pytest.raises(ConfigError) as refused:
@@ -191,6 +193,10 @@ async def test_a_late_bare_decision_never_decides_the_steps_next_wait(store: Sto
     decided = await store.decide(run.id, WaitRef(0, 1), "rejected", decided_by="bob")
     assert (decided["call_index"], decided["input"]) == (1, {"amount": 1_000_000})
     assert (await store.get_run(run.id)).status == "pending"
+    with pytest.raises(ConfigError) as refused:  # the run waits on nothing now
+        await store.decide(run.id, WaitRef(0, 1), "approved", decided_by="carol")
+    assert str(refused.value) == (f"run {run.id} is not waiting for approval (it is pending); "
+                                  "wait 0.1 was decided before (rejected by bob)")
 
 
 @pytest.mark.parametrize("text", ["", "x", "3.", ".3", "3.1.0", "3.1.2.4", "-1", "3,1", "1e3",

@@ -597,11 +597,13 @@ async def test_a_wait_that_does_not_name_its_attempt_is_shown_as_the_attempt_dec
 async def test_an_operator_killed_after_an_annotations_decision_never_applies_it_again(
     kube: Kube, operator: Callable[..., OperatorProc], store: Store,
 ) -> None:
-    """kopf removes an annotation only after its handler returns: an operator killed between
+    """kopf removed an annotation only after its handler returned: an operator killed between
     the decision and that patch ran the handler again once back, and the same ``approve=0``
     decided whatever the run waited on by then, here the step's second irreversible call, with
-    no human looking (found by an adversarial review on 2026-12-06). The annotation is now
-    consumed before the decision: the operator killed right after it finds nothing to apply."""
+    no human looking (found by an adversarial review on 2026-12-06). Consumed before the
+    decision, a death in between lost it without a word (a review on 2026-12-07). Now it is
+    decided, then consumed: the operator killed in between acts on it again once back, and the
+    store refuses it (the step was decided), saying so in an Event, and consumes it."""
     first = operator(faults="operator_after_annotation_decide@0")
     kube.apply_agent(agent_manifest(requireApproval=True))
     run = await waiting_run(kube, store, "migrate")
@@ -615,12 +617,18 @@ async def test_an_operator_killed_after_an_annotations_decision_never_applies_it
               "stage": "before_call"}
     await store.wait_for_approval(lease, "approval required before drop_table (step 0)", second)
     operator()
-    # Back, the operator mirrors the new wait; the annotation was gone before it died.
-    await eventually(lambda: "orders_old" in str(((kube.agentrun("migrate") or {}).get(
-        "status") or {}).get("pendingApproval", {}).get("arguments")), 30,
-        "the second wait mirrored")
-    assert "agentrun.dev/approve" not in (
-        (kube.agentrun("migrate") or {})["metadata"].get("annotations") or {})
+
+    def refused() -> list[str]:
+        code, out = kube.request("GET", f"/api/v1/namespaces/{kube.namespace}/events")
+        return [e["message"] for e in (out.get("items", []) if code == 200 else [])
+                if e["involvedObject"].get("name") == "migrate"
+                and e["reason"] == "ActionRefused"]
+
+    # Back, the operator acts on the annotation again: refused, naming the first decision.
+    await eventually(refused, 30, "the replay refused")
+    assert "step 0 was decided before (approved by annotation on AgentRun" in refused()[0]
+    await eventually(lambda: "agentrun.dev/approve" not in (
+        (kube.agentrun("migrate") or {})["metadata"].get("annotations") or {}), 30, "consumed")
     waiting = await store.get_run(run.id)
     assert waiting.status == "waiting_approval" and waiting.pending_call == second
     assert await store.get_approval(run.id, 0, 1, "before_call") is None

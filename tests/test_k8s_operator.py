@@ -554,16 +554,18 @@ async def test_the_same_decision_set_again_after_it_was_consumed_is_answered(
     run = await waiting_on_step_0(cluster, store, "again")
     await eventually(lambda: status(cluster, "again").get("phase") == "waiting_approval", 15,
                      "waiting")
-    with row_held(database_url, run.id):
-        cluster.annotate("again", {APPROVE: "0.0"})
-        await eventually(lambda: APPROVE not in annotations_of(cluster, "again"), 15, "consumed")
-        cluster.annotate("again", {APPROVE: "0.0"})  # the second approver
+    cluster.annotate("again", {APPROVE: "0.0"})
     await wait_run(store, run.id, lambda r: r.status == "pending", 15)
+    await eventually(lambda: APPROVE not in annotations_of(cluster, "again"), 15, "consumed")
+    cluster.annotate("again", {APPROVE: "0.0"})  # the second approver, a moment late
     await eventually(lambda: refusals(cluster, "again"), 15, "the second one answered")
-    assert APPROVE not in annotations_of(cluster, "again")
+    assert "wait 0.0 was decided before (approved by annotation on AgentRun" in refusals(
+        cluster, "again")[0]
+    await eventually(lambda: APPROVE not in annotations_of(cluster, "again"), 15, "consumed")
     assert len(events_of(cluster, "again", "Approved")) == 1
 
-    # The same with retry: the second one refused (the run is live), not left for later.
+    # The same with retry, consumed before it is acted on (the row held keeps the operator
+    # inside store.retry while bob sets his): refused (the run is live), not left for later.
     [(_, lease)] = (await store.with_lease_ttl(60).claim("default", "w")).claimed
     await store.finish(lease, "failed", error="tool crashed")
     await eventually(lambda: status(cluster, "again").get("phase") == "failed", 15, "failed")
@@ -571,11 +573,39 @@ async def test_the_same_decision_set_again_after_it_was_consumed_is_answered(
         cluster.annotate("again", {RETRY: "true"})  # alice
         await eventually(lambda: RETRY not in annotations_of(cluster, "again"), 15, "consumed")
         cluster.annotate("again", {RETRY: "true"})  # bob, a moment later
-    await eventually(lambda: len(refusals(cluster, "again")) == 2, 15, "bob's retry answered")
-    assert any(f"retry='true': run {run.id} is still pending" in m
-               for m in refusals(cluster, "again")), refusals(cluster, "again")
+    await eventually(lambda: any(f"retry='true': run {run.id} is still pending" in m
+                                 for m in refusals(cluster, "again")), 15, "bob's retry answered")
     assert RETRY not in annotations_of(cluster, "again")
     assert (await store.get_run(run.id)).retries == 1
+
+
+async def test_a_decision_the_operator_died_acting_on_is_applied_once_it_is_back(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str
+) -> None:
+    """Found by the same review: the annotation was consumed before the decision was recorded,
+    so an operator killed in between lost it: gone from the object, no Event, the run waiting
+    on. It is consumed after now; the operator back acts on it."""
+    first = operators.start()
+    run = await waiting_on_step_0(cluster, store, "killed")
+    with row_held(database_url, run.id):  # the operator is inside store.decide
+        cluster.annotate("killed", {APPROVE: "0.0"})
+        await eventually(lambda: any(
+            "SELECT" in q for q in pg_waiting(database_url)), 15, "decide waiting")
+        first.popen.kill()
+        first.popen.wait()
+    operators.start()
+    await wait_run(store, run.id, lambda r: r.status == "pending", 30)
+    await eventually(lambda: "Approved" in cluster.reasons("killed"), 15, "Approved")
+    assert APPROVE not in annotations_of(cluster, "killed")
+
+
+def pg_waiting(database_url: str) -> list[str]:
+    """The statements waiting on a lock in the test's database (pg_stat_activity)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT query FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()").fetchall()
+    return [r[0] for r in rows]
 
 
 async def test_a_retry_racing_a_prune_is_refused_with_an_event(

@@ -1433,15 +1433,30 @@ class Store:
             if row is None:
                 raise RunNotFound(str(rid))
             pending = _waited_on(row)
-            if pending is None:
-                raise ConfigError(f"run {rid} is not waiting for approval (it is {row['status']})")
-            if int(pending["seq"]) != seq:
+            if pending is None or not ref.answers(pending):
+                # A named wait decided before (a second human's, or an operator's replay of
+                # the annotation it applied before it was killed) says so: not only where the
+                # run is now.
+                earlier = None
+                if ref.named:
+                    await cur.execute(queries["get_approval"], {
+                        "run_id": rid, "seq": seq, "call_index": ref.call,
+                        "stage": "before_call" if ref.attempt is None else "outcome_unknown",
+                        "attempt": ref.attempt or 1})
+                    earlier = await cur.fetchone()
+                before = "" if earlier is None else (
+                    f"decided before ({earlier['decision']} by {earlier['decided_by']})")
+                if pending is None:
+                    raise ConfigError(
+                        f"run {rid} is not waiting for approval (it is {row['status']})"
+                        + (f"; wait {ref} was {before}" if before else ""))
+                if int(pending["seq"]) != seq:
+                    raise ConfigError(
+                        f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step "
+                        f"{seq}" + (f"; wait {ref} was {before}" if before else ""))
                 raise ConfigError(
-                    f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step {seq}"
-                )
-            if not ref.answers(pending):
-                raise ConfigError(f"run {rid} waits on {describe_wait(pending)}, not {ref}; "
-                                  "nothing was recorded")
+                    f"run {rid} waits on {describe_wait(pending)}, not {ref}"
+                    + (f", which was {before}" if before else "") + "; nothing was recorded")
             if not ref.named:
                 # A bare step number may be a decision made on an earlier wait of this step,
                 # arriving after that one was decided: never applied to the wait that followed.
