@@ -428,6 +428,10 @@ async def on_action(
                               namespace, name, describe(exc)))
 
 
+#: What act() tries again: no run yet, the database or the API server down.
+RETRIED: tuple[type[BaseException], ...] = (kopf.TemporaryError, *OUTAGES)
+
+
 async def act(memo: kopf.Memo, acting: Acting, namespace: str, name: str, uid: str) -> None:
     """Act on the object's action annotations until none is left to act on and no event came
     meanwhile; an outage is said once and retried, backing off."""
@@ -452,18 +456,17 @@ async def act(memo: kopf.Memo, acting: Acting, namespace: str, name: str, uid: s
                 retry, outage_said = 0, False
             except NotFound:
                 return
-            except kopf.TemporaryError as exc:  # no run yet, or the database is down
-                await asyncio.sleep(exc.delay if exc.delay is not None else DB_RETRY_DELAY)
-                retry += 1
-                continue
-            except OUTAGES as exc:
-                if not outage_said:
+            except RETRIED as exc:
+                # No run yet (not said: it is a moment behind, or waits for its Agent, which is
+                # said where the run is created), the database or the API server down.
+                if not outage_said and str(exc) != RUN_NOT_CREATED:
                     outage_said = True
                     log.warning("AgentRun %s/%s: its annotations are not acted on yet (%s); "
                                 "retrying", namespace, name,
                                 one_line(str(exc) or type(exc).__name__, 300),
                                 extra={"run_id": str(run_id)})
-                await asyncio.sleep(backoff(retry))
+                delay = exc.delay if isinstance(exc, kopf.TemporaryError) else None
+                await asyncio.sleep(backoff(retry) if delay is None else delay)
                 retry += 1
                 continue
             if uid not in acting.again:
