@@ -43,6 +43,7 @@ import kopf
 import psycopg
 from aiohttp import web
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as TransportError
 
 from agentrun.config import redact_message, redact_url
 from agentrun.errors import ConfigError, DatabaseUnavailable
@@ -70,9 +71,11 @@ from agentrun.vocabulary import TERMINAL_STATUSES
 log = logging.getLogger(__name__)
 
 
-#: What a per-object task (an approval's, a TTL's) retries with :func:`backoff`: an outage of
-#: the database or the API server, not a refusal.
-OUTAGES: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException)
+#: What a per-object task (an approval's, a TTL's, an annotation's) retries with
+#: :func:`backoff`: an outage of the database or the API server, not a refusal. An API server
+#: that cannot be reached is urllib3's error (MaxRetryError, ProtocolError), not ApiException:
+#: uncaught, it ended the task, and what it was doing waited for the object's next event.
+OUTAGES: tuple[type[BaseException], ...] = (*DB_ERRORS, ApiException, TransportError)
 
 
 def backoff(attempt: int, cap: float = 30.0) -> float:

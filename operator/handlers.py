@@ -287,6 +287,15 @@ async def start(config: OperatorSettings, ks: kopf.OperatorSettings, memo: kopf.
 
 
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    # The per-object tasks first: left to kopf, which waits 5 s for tasks it did not start, one
+    # sleeping in a retry woke after the store was closed and said the database was down. The
+    # next start acts on what they left (the watch's first listing).
+    acting, expiries = memo.get(ACTING), memo.get(EXPIRIES)  # none if the start-up failed
+    tasks = [*(acting.tasks.values() if isinstance(acting, Acting) else ()),
+             *(expiries.expiring.values() if isinstance(expiries, Expiries) else ())]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     if APP in memo:
         await _app(memo).stop()
 
@@ -436,7 +445,7 @@ async def act(memo: kopf.Memo, acting: Acting, namespace: str, name: str, uid: s
     """Act on the object's action annotations until none is left to act on and no event came
     meanwhile; an outage is said once and retried, backing off."""
     app = _app(memo)
-    retry, outage_said = 0, False
+    retry, said = 0, ""  # said: the kind of outage said last (each kind once, not each try)
     try:
         while True:
             acting.again.discard(uid)
@@ -453,18 +462,22 @@ async def act(memo: kopf.Memo, acting: Acting, namespace: str, name: str, uid: s
                     await actions(annotations=annotations, namespace=namespace, name=name,
                                   uid=uid, status=status, patch=kopf.Patch(), memo=memo,
                                   retry=retry)
-                retry, outage_said = 0, False
+                retry, said = 0, ""
             except NotFound:
                 return
-            except RETRIED as exc:
+            except Exception as exc:
                 # No run yet (not said: it is a moment behind, or waits for its Agent, which is
-                # said where the run is created), the database or the API server down.
-                if not outage_said and str(exc) != RUN_NOT_CREATED:
-                    outage_said = True
-                    log.warning("AgentRun %s/%s: its annotations are not acted on yet (%s); "
-                                "retrying", namespace, name,
-                                one_line(str(exc) or type(exc).__name__, 300),
-                                extra={"run_id": str(run_id)})
+                # said where the run is created), the database or the API server down: said
+                # once per kind of outage. Anything else is a fault of ours, said as one, and
+                # tried again all the same: ended, the task left the annotation to the object's
+                # next event, which may never come or come with nobody expecting it.
+                kind = type(exc).__name__ if isinstance(exc, RETRIED) else "fault"
+                if kind != said and str(exc) != RUN_NOT_CREATED:
+                    said = kind
+                    log.log(logging.WARNING if kind != "fault" else logging.ERROR,
+                            "AgentRun %s/%s: its annotations are not acted on yet (%s); "
+                            "retrying", namespace, name, one_line(describe(exc), 300),
+                            extra={"run_id": str(run_id)})
                 delay = exc.delay if isinstance(exc, kopf.TemporaryError) else None
                 await asyncio.sleep(backoff(retry) if delay is None else delay)
                 retry += 1

@@ -1428,6 +1428,60 @@ def api_address(kubeconfig: Path) -> tuple[str, int]:
     return str(parts.hostname), int(parts.port or 443)
 
 
+async def test_an_annotation_is_acted_on_after_the_api_server_and_the_database_came_back(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str, tmp_path: Path
+) -> None:
+    """Found by an adversarial review (2026-12-07): an API server that could not be reached
+    (urllib3's MaxRetryError, not an ApiException) ended the task acting on an object's
+    annotations; the retry waited on the object for its next event, and an unrelated label
+    change applied it, much later, with nobody asking. Said once per kind, tried again."""
+    with proxied(operators, database_url, tmp_path) as (api, db):
+        op = operators.start()
+        cluster.apply_agent(agent_manifest())
+        cluster.apply_agentrun(agentrun_manifest("blip"))
+        run = await run_of(store, cluster, "blip")
+        [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+        await store.finish(lease, "failed", error="tool crashed")
+        await eventually(lambda: status(cluster, "blip").get("phase") == "failed", 15, "failed")
+
+        def said(kind: str) -> bool:
+            return any("its annotations are not acted on yet" in ln and kind in ln
+                       for ln in op.output().splitlines())
+
+        db.cut()
+        await eventually(lambda: op.metric("agentrun_operator_db_up") == 0, 30, "db down")
+        cluster.annotate("blip", {RETRY: "true"})
+        await eventually(lambda: said("database"), 30, "the wait for the database said")
+        api.cut()  # while the task waits to try again
+        await eventually(lambda: said("MaxRetryError") or said("ProtocolError"), 60,
+                         "the API server's outage said, and tried again")
+        api.restore()
+        db.restore()
+        await wait_run(store, run.id, lambda r: r.retries == 1, 60)
+        await eventually(lambda: "Retried" in cluster.reasons("blip"), 30, "Retried")
+        assert RETRY not in annotations_of(cluster, "blip")
+        assert "acting on its annotations failed" not in op.output()
+
+
+@contextlib.contextmanager
+def proxied(operators: NsOperators, database_url: str,
+            tmp_path: Path) -> Iterator[tuple[TcpProxy, TcpProxy]]:
+    """The operators started from here reach the API server (the operator SA's kubeconfig) and
+    PostgreSQL through proxies the test cuts and restores: (api, db), stopped at the end."""
+    sa_kubeconfig = operators.cluster.path  # type: ignore[attr-defined]
+    api = TcpProxy(api_address(sa_kubeconfig)).start()
+    parts = conninfo_to_dict(database_url)
+    db = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
+    try:
+        operators.cluster = _Kubeconfig(  # type: ignore[assignment]
+            proxied_kubeconfig(sa_kubeconfig, api, tmp_path / "kubeconfig-proxied"))
+        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=db.port)
+        yield api, db
+    finally:
+        api.stop()
+        db.stop()
+
+
 def helm_test_command(release: Release, name: str) -> list[str]:
     """The command of one of the release's `helm test` pods, as installed (its hooks)."""
     out = release.kube.helm("get", "hooks", release.name, "-n", release.namespace).stdout
@@ -1443,14 +1497,7 @@ async def test_readyz_follows_the_api_server_and_the_database_and_helm_test_says
     # Here the operator (the chart's SA token) reaches the API server and PostgreSQL through
     # proxies this test cuts and restores; /readyz must follow both, and the chart's own helm
     # test command (run here: this tier has no kubelet) must fail with the reason, then pass.
-    sa_kubeconfig = operators.cluster.path  # type: ignore[union-attr]
-    api = TcpProxy(api_address(sa_kubeconfig)).start()
-    parts = conninfo_to_dict(database_url)
-    db = TcpProxy((str(parts.get("host", "127.0.0.1")), int(parts.get("port", 5432)))).start()
-    try:
-        operators.cluster = _Kubeconfig(  # type: ignore[assignment]
-            proxied_kubeconfig(sa_kubeconfig, api, tmp_path / "kubeconfig-proxied"))
-        operators.database_url = make_conninfo(database_url, host="127.0.0.1", port=db.port)
+    with proxied(operators, database_url, tmp_path) as (api, db):
         port = free_port()
         op = operators.start(env={"AGENTRUN_HEALTH_INTERVAL": "0.5"},
                              extra=["--health-port", str(port)])
@@ -1498,9 +1545,6 @@ async def test_readyz_follows_the_api_server_and_the_database_and_helm_test_says
         assert helm_test().returncode == 0
         assert op.popen.poll() is None  # no restart: readiness, not liveness
         assert op.output().count("API server check failed") == 1  # said once per outage
-    finally:
-        api.stop()
-        db.stop()
 
 
 # -- spare slots (issue 19) ---------------------------------------------------------------------
