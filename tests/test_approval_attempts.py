@@ -197,6 +197,10 @@ async def test_a_late_bare_decision_never_decides_the_steps_next_wait(store: Sto
         await store.decide(run.id, WaitRef(0, 1), "approved", decided_by="carol")
     assert str(refused.value) == (f"run {run.id} is not waiting for approval (it is pending); "
                                   "wait 0.1 was decided before (rejected by bob)")
+    with pytest.raises(ConfigError) as refused:  # bare (an operator's replay of "approve=0")
+        await store.decide(run.id, 0, "approved", decided_by="carol")
+    assert str(refused.value) == (f"run {run.id} is not waiting for approval (it is pending); "
+                                  "step 0 was decided before (rejected by bob)")
 
 
 @pytest.mark.parametrize("text", ["", "x", "3.", ".3", "3.1.0", "3.1.2.4", "-1", "3,1", "1e3",

@@ -41,6 +41,7 @@ UNKNOWN: list[bool] = []  # what each compensation was told of the undone call's
 COMPENSATING = threading.Event()  # set once a compensation is running
 GRABS: list[str] = []  # grab's calls
 UNDONE_AT: list[datetime] = []  # when each compensation started
+SLOW_GRABS: list[int] = []  # the attempts of slow_grab's and flaky_grab's calls
 
 
 # A short timeout: a rollback waits it out (after the lost lease's end) before undoing a call a
@@ -69,8 +70,20 @@ def slow_hold(ctx: ToolContext, item: str, how: str) -> str:
 def slow_grab(ctx: ToolContext, item: str, how: str) -> str:
     """Grab an item, past the call's timeout, which fails the run (its thread returns at the
     end of the test)."""
+    SLOW_GRABS.append(ctx.attempt)
     RELEASE.wait()
     return f"grabbed {item} late"
+
+
+@tool(kind="non_idempotent", registry=TOOLS, compensate="unhold", timeout=0.2,
+      on_error="abort", retryable=(TimeoutError,))
+def flaky_grab(ctx: ToolContext, item: str, how: str) -> str:
+    """Attempt 1 hangs past its timeout (and may grab late); attempt 2 fails outright."""
+    SLOW_GRABS.append(ctx.attempt)
+    if ctx.attempt == 1:
+        RELEASE.wait()
+        return f"grabbed {item} late"
+    raise RuntimeError("the grab service said no")
 
 
 @tool(kind="pure", registry=TOOLS)
@@ -119,6 +132,7 @@ def hung_calls_released() -> Iterator[None]:
     COMPENSATING.clear()
     GRABS.clear()
     UNDONE_AT.clear()
+    SLOW_GRABS.clear()
     yield
     RELEASE.set()
 
@@ -331,18 +345,24 @@ async def test_an_effect_of_unknown_outcome_is_compensated_and_says_so(store: St
     assert UNKNOWN == [True]
 
 
+@pytest.mark.parametrize("older", [False, True])
 async def test_a_call_its_worker_died_inside_is_undone_after_a_dead_letter(
-    store: Store,
+    store: Store, older: bool
 ) -> None:
     """The mark of a compensable call, its worker lost inside it (no effect recorded), then a
-    dead letter: cancel --rollback finds something to undo and undoes it."""
+    dead letter: cancel --rollback finds something to undo and undoes it. ``older``: the mark of
+    a worker of the previous build (a rolling upgrade), which names no undo: the store alone
+    found nothing to undo and refused, and nothing ever undid the hold (found by a review on
+    2026-12-07); it counts now, and the worker's registry decides."""
     run, lease, block = await one_call_turn(store, "hold", max_attempts=1)
     ex = executor(store)
     h = RunHandle(run, lease, lease_ttl=60)
     # The turn's append carries the call's mark, as the worker sends it; then the worker dies.
+    mark = ex.first_call_mark(h, 0, {"content": [block], "stop_reason": "tool_use"}) or {}
+    if older:
+        mark = {k: v for k, v in mark.items() if k not in ("compensate", "kind")}
     await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"},
-                            tool_call=ex.first_call_mark(h, 0, {"content": [block],
-                                                                 "stop_reason": "tool_use"}))
+                            tool_call=mark)
     for worker in ("w2", "w3"):
         await expire(store, run.id)
         await store.claim("default", worker, 1)
@@ -637,3 +657,51 @@ async def test_a_call_an_older_worker_was_lost_inside_is_undone_from_the_registr
     assert (done.status, done.error) == ("cancelled", "cancelled: plans changed; compensated: "
                                          "unhold for hold (step 0, outcome unknown)")
     assert UNKNOWN == [True]
+
+
+async def test_a_call_whose_timeout_failed_its_run_is_called_again_by_a_resume(
+    store: Store,
+) -> None:
+    """The worker dies after a timeout failed the run, before its rollback began: recorded as
+    done with the timeout, the call was shown to the model on the resume and the run went on,
+    the late call never undone (found by a review on 2026-12-07). Recorded as an intent, the
+    resume calls it again under the same key, and the rollback that follows undoes it."""
+    run, lease, block = await one_call_turn(store, "slow_grab")
+    turn = {"content": [block], "stop_reason": "tool_use"}
+    await store.append_step(lease, 0, "model_turn", turn)
+    ex = executor(store)
+    with pytest.raises(RunFailed, match="ToolTimeout"):
+        await ex.run_tools(RunHandle(run, lease, lease_ttl=60), 0, turn)
+    await expire(store, run.id)  # w1 died before abort() began the rollback
+    ((run, lease),) = (await store.claim("default", "w2", 1)).claimed
+    h = RunHandle(run, lease, lease_ttl=60)
+    with pytest.raises(RunFailed, match="ToolTimeout") as failed:
+        await ex.run_tools(h, 0, turn)  # as advance() resumes the turn
+    assert SLOW_GRABS == [1, 1]  # called again, not its first timeout shown to the model
+    await ex.abort(h, str(failed.value))
+    done = await store.get_run(run.id)
+    assert done.error == (f"{failed.value}; compensated: unhold for slow_grab (step 0, outcome "
+                          "unknown)")
+    assert UNKNOWN == [True]
+
+
+async def test_an_attempt_cut_off_by_its_timeout_is_undone_whatever_its_retry_said(
+    store: Store,
+) -> None:
+    """Attempt 1 timed out (its thread runs on), attempt 2 raised, which failed the run: the
+    rollback undid nothing, since the failure recorded was attempt 2's (found by a review on
+    2026-12-07)."""
+    run, lease, block = await one_call_turn(store, "flaky_grab")
+    await store.append_step(lease, 0, "model_turn", {"content": [block], "stop_reason": "tool_use"})
+    metrics = WorkerMetrics()
+    ex = RunExecutor(store, Providers(default=None), TOOLS, metrics, Health(60, metrics),
+                     RetryPolicy(max_retries=1), is_draining=lambda: False)
+    h = RunHandle(run, lease, lease_ttl=60)
+    with pytest.raises(RunFailed, match="the grab service said no") as failed:
+        await ex.call_tool(h, 0, 0, block, None)
+    assert SLOW_GRABS == [1, 2]
+    await ex.abort(h, str(failed.value))
+    assert (await store.get_run(run.id)).error == (
+        f"{failed.value}; compensated: unhold for flaky_grab (step 0, outcome unknown)")
+    assert UNKNOWN == [True]
+

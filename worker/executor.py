@@ -548,7 +548,8 @@ class RunExecutor:
         due = await self.store.compensations_due(h.run.id)
         seq = (await self.store.get_run(h.run.id)).next_seq
         for effect in due:
-            assert effect.compensate is not None
+            if effect.compensate is None:
+                continue  # an older worker's lost call no registry here knows: nothing to run
             try:
                 spec = self.registry.get(effect.compensate)
             except UnknownToolError as exc:
@@ -574,7 +575,7 @@ class RunExecutor:
             if effect.state == "unrecorded":
                 # Before the mark below replaces the one that names it (_record_lost_call).
                 await self._record_intent(h, effect)
-            if unknown and effect.busy_until is not None:
+            if effect.busy_until is not None:  # a lost worker's or a timed-out call's thread
                 await self._outwait(h, effect, effect.busy_until)
             sent = time.monotonic()
             await self.store.begin_tool_call(
@@ -792,25 +793,29 @@ class RunExecutor:
             # A call that fails its run (on_error="abort") records nothing: a retry calls it
             # again under the same key, and an irreversible one's intent stays unknown (its
             # re-run is a human's decision; a rollback undoes it, told the outcome is unknown).
-            # Unless its timeout failed a compensable one: its thread runs on, and the run's
-            # rollback, which follows at once, must undo it (recorded as nothing, it was left in
-            # place). Undone, the run is not retried; any other stays unrecorded, for a retry.
+            # Unless an attempt of a compensable one was cut off by its timeout: its thread runs
+            # on, and the run's rollback, which follows, must undo it (recorded as nothing, it
+            # was left in place). Recorded as an intent (the outcome unknown), as a call a lost
+            # worker was inside: a resume before the rollback calls it again under the same key
+            # (recorded as done, its error was shown to the model and the run went on), and a
+            # rollback undoes it. Any other stays unrecorded, for a retry.
+            timed_out: list[int] = []  # attempts cut off by their timeout (_invoke)
             try:
-                outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent)
-            except RunFailed as failed:
-                if spec.compensate is not None and isinstance(failed.__cause__, ToolTimeout):
-                    await record("done", {"content": str(failed), "is_error": True,
-                                          UNKNOWN_OUTCOME: True}, cut_off())
+                outcome = await self._invoke(h, spec, turn_seq, index, name, args, key, intent,
+                                             timed_out)
+            except RunFailed:
+                if spec.compensate is not None and timed_out:
+                    await record("intent", None, cut_off())
                 raise
         crash_point("after_tool_return", turn_seq)
         if recorded:
             # A re-run of an unknown outcome (an intent was there: an approved irreversible
             # re-run, or a call an earlier worker was lost inside) that failed leaves the earlier
-            # attempt's outcome unknown: a rollback must still undo it.
+            # attempt's outcome unknown: a rollback must still undo it. So does an attempt cut
+            # off by its timeout, whatever the attempts after it said (its thread runs on).
             again = effect is not None and effect.state == "intent"
-            timed_out = bool(outcome.get(UNKNOWN_OUTCOME))  # _invoke: cut off by its timeout
-            await record("done", {**outcome, UNKNOWN_OUTCOME: True}
-                         if again and outcome.get("is_error") else outcome,
+            unknown = (again or bool(timed_out)) and outcome.get("is_error")
+            await record("done", {**outcome, UNKNOWN_OUTCOME: True} if unknown else outcome,
                          cut_off() if timed_out else None)
         return {**result, **{k: v for k, v in outcome.items() if k in SHOWN}}
 
@@ -891,12 +896,12 @@ class RunExecutor:
 
     async def _invoke(
         self, h: RunHandle, spec: ToolSpec, turn_seq: int, index: int, name: str,
-        args: dict[str, Any], key: str, intent: int,
+        args: dict[str, Any], key: str, intent: int, timed_out: list[int],
     ) -> dict[str, Any]:
         """Call the tool; retry what it declares transient (never an irreversible call).
         ``intent``: the attempt an irreversible call's intent counts (1, or its approved re-run's),
         which a timeout's wait names, as a wait after a worker's death does: a decision is about
-        one attempt."""
+        one attempt. ``timed_out`` gets each attempt cut off by its timeout."""
         attempt = 1
         while True:
             # make_context's, with the key call_tool derived once (a hash of the arguments)
@@ -926,6 +931,8 @@ class RunExecutor:
                     {"seq": turn_seq, "call_index": index, "tool": name, "input": args,
                      "stage": "outcome_unknown", "attempt": intent},
                 ) from exc
+            if isinstance(exc, ToolTimeout):
+                timed_out.append(attempt)
             disposition = spec.classify(exc)
             if disposition == "retry" and attempt <= self.retry.max_retries:
                 delay = self.retry.delay(attempt - 1, None)
@@ -937,13 +944,10 @@ class RunExecutor:
             if disposition == "abort":
                 raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
             log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
-            told: dict[str, Any] = {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
-            if isinstance(exc, ToolTimeout):
-                # Cut off, not failed: its thread runs on and may yet take effect. Recorded so
-                # (call_tool shows the model the error alone), a rollback undoes it; recorded
-                # as a plain error, it never did.
-                told[UNKNOWN_OUTCOME] = True
-            return told
+            # A timeout is a cut-off, not a failure: its thread runs on and may yet take
+            # effect. call_tool records it as an unknown outcome (the model is shown the error
+            # alone), which a rollback undoes; recorded as a plain error, it never was.
+            return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
 
     async def _call(
         self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]

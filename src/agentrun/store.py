@@ -1315,7 +1315,9 @@ class Store:
         inside before recording it (state "unrecorded"; queries.sql lost_call), the newest.
 
         ``undo``: a tool's compensation and kind, for a lost call whose mark names none (an older
-        worker's, written before marks named the undo): a worker's registry knows them."""
+        worker's, written before marks named the undo): a worker's registry knows them. Without
+        it (the store alone: is a rollback due?) such a call counts, its compensate None: it may
+        be one, and the worker that rolls the run back decides."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=known_row(Effect))
             await cur.execute(queries["compensations_due"], {"run_id": run_id})
@@ -1324,10 +1326,10 @@ class Store:
         if lost is None:
             return due
         seq, index, tool, kind, compensate, turn, busy_until = lost
-        if compensate is None:
-            known = undo(tool) if undo is not None else None
+        if compensate is None and undo is not None:
+            known = undo(tool)
             if known is None:
-                return due  # not a compensable call, as far as anyone here knows
+                return due  # not a compensable call, as far as this worker's registry knows
             compensate, kind = known
         calls = tool_uses(turn or {})
         if index >= len(calls) or calls[index].get("name") != tool:
@@ -1437,23 +1439,26 @@ class Store:
                 # A named wait decided before (a second human's, or an operator's replay of
                 # the annotation it applied before it was killed) says so: not only where the
                 # run is now.
-                earlier = None
                 if ref.named:
                     await cur.execute(queries["get_approval"], {
                         "run_id": rid, "seq": seq, "call_index": ref.call,
                         "stage": "before_call" if ref.attempt is None else "outcome_unknown",
                         "attempt": ref.attempt or 1})
-                    earlier = await cur.fetchone()
+                else:  # a bare step number: the step's last decision
+                    await cur.execute(queries["last_approval_on_step"],
+                                      {"run_id": rid, "seq": seq})
+                earlier = await cur.fetchone()
                 before = "" if earlier is None else (
                     f"decided before ({earlier['decision']} by {earlier['decided_by']})")
+                what = f"wait {ref}" if ref.named else f"step {seq}"
                 if pending is None:
                     raise ConfigError(
                         f"run {rid} is not waiting for approval (it is {row['status']})"
-                        + (f"; wait {ref} was {before}" if before else ""))
+                        + (f"; {what} was {before}" if before else ""))
                 if int(pending["seq"]) != seq:
                     raise ConfigError(
                         f"run {rid} waits on step {pending['seq']} ({pending['tool']}), not step "
-                        f"{seq}" + (f"; wait {ref} was {before}" if before else ""))
+                        f"{seq}" + (f"; {what} was {before}" if before else ""))
                 raise ConfigError(
                     f"run {rid} waits on {describe_wait(pending)}, not {ref}"
                     + (f", which was {before}" if before else "") + "; nothing was recorded")
