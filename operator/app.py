@@ -265,6 +265,13 @@ class OperatorApp:
                 self._failed(exc)
                 await asyncio.sleep(backoff(attempt))
                 attempt += 1
+            except (ApiException, TransportError) as exc:
+                # The API server down or refusing: an outage (the readiness check says it once
+                # as well), one line at each try, backing off; not a traceback every 30 s.
+                log.warning("%s loop: the API server did not answer (%s); retrying", name,
+                            describe(exc))
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
             except Exception:
                 log.exception("%s loop failed; restarting it", name)
                 await asyncio.sleep(backoff(attempt))

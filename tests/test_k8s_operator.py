@@ -1437,10 +1437,7 @@ async def test_an_annotation_is_acted_on_after_the_api_server_and_the_database_c
     change applied it, much later, with nobody asking. Said once per kind, tried again."""
     with proxied(operators, database_url, tmp_path) as (api, db):
         op = operators.start()
-        cluster.apply_agent(agent_manifest())
-        cluster.apply_agentrun(agentrun_manifest("blip"))
-        run = await run_of(store, cluster, "blip")
-        [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+        run, lease = await claimed_run(cluster, store, "blip")
         await store.finish(lease, "failed", error="tool crashed")
         await eventually(lambda: status(cluster, "blip").get("phase") == "failed", 15, "failed")
 
@@ -1461,6 +1458,42 @@ async def test_an_annotation_is_acted_on_after_the_api_server_and_the_database_c
         await eventually(lambda: "Retried" in cluster.reasons("blip"), 30, "Retried")
         assert RETRY not in annotations_of(cluster, "blip")
         assert "acting on its annotations failed" not in op.output()
+
+
+async def test_the_status_mirror_waits_out_an_api_outage_without_a_traceback(
+    cluster: Kube, operators: NsOperators, store: Store, database_url: str, tmp_path: Path
+) -> None:
+    """Found by a review (2026-12-07): while the API server could not be reached, the status
+    mirror's flush loop logged "loop failed; restarting it" with a traceback at each try. An
+    outage is one line a try, backing off; the status is mirrored once the server is back."""
+    with proxied(operators, database_url, tmp_path) as (api, _):
+        op = operators.start()
+        run, lease = await claimed_run(cluster, store, "dark")
+        await eventually(lambda: status(cluster, "dark").get("phase") == "running", 30,
+                         "running mirrored")
+        api.cut()
+        await store.finish(lease, "failed", error="tool crashed")  # flushed into the outage
+
+        def flush_failed() -> bool:
+            out = op.output()
+            return ("status-flush loop: the API server did not answer" in out
+                    or "status-flush loop failed" in out)
+
+        await eventually(flush_failed, 60, "the flush to meet the outage")
+        api.restore()
+        await eventually(lambda: status(cluster, "dark").get("phase") == "failed", 60,
+                         "the failure mirrored once the API server answers")
+        assert "status-flush loop failed" not in op.output()
+        assert (await store.get_run(run.id)).status == "failed"
+
+
+async def claimed_run(cluster: Kube, store: Store, name: str) -> tuple[Run, Any]:
+    """An applied AgentRun (a plain Agent) whose run this test holds: the run and its lease."""
+    cluster.apply_agent(agent_manifest())
+    cluster.apply_agentrun(agentrun_manifest(name))
+    run = await run_of(store, cluster, name)
+    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
+    return run, lease
 
 
 @contextlib.contextmanager
