@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from uuid import UUID
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -507,6 +506,13 @@ async def actions(
     except DB_ERRORS as exc:
         raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
     ref = _ref(namespace or "", name, uid)
+
+    async def remove(key: str) -> bool:
+        """Remove the action annotation ``key`` while it reads what was acted on (a patch
+        testing the object's resourceVersion); False: gone or changed since it was read."""
+        return await app.kube.consume_annotation(namespace or "", name, uid, key,
+                                                 str(annotations[key]))
+
     if run is None:
         keys = [key for key in ACTIONS if key in annotations]
         pruned = status.get("runId")
@@ -515,8 +521,7 @@ async def actions(
             # Refused once and consumed (before the Event, as below), not retried every second
             # for ever.
             for key in keys:
-                await app.kube.consume_annotation(namespace or "", name, uid, key,
-                                                  str(annotations[key]))
+                await remove(key)
             await app.event(ref, Event("Warning", Reason.ACTION_REFUSED, one_line(
                 f"{', '.join(keys)}: run {pruned} was pruned from the store; there is nothing "
                 "to act on (create a new AgentRun)", 1000)), str(pruned))
@@ -528,6 +533,16 @@ async def actions(
         raise kopf.TemporaryError(RUN_NOT_CREATED,
                                   delay=min(2.0 ** retry, app.settings.agent_retry_delay))
     who = f"annotation on AgentRun {namespace}/{name}"
+
+    async def taken(key: str) -> bool:
+        """Remove ``key`` before it is acted on; False: consumed before (a replay of this
+        handler) or changed since, so not acted on."""
+        if await remove(key):
+            return True
+        log.info("AgentRun %s/%s: %s=%s was consumed before; not applied again", namespace,
+                 name, key, annotations[key], extra={"run_id": str(run.id)})
+        return False
+
     # Both decisions in one look (two humans a moment apart, or one patch setting both): which
     # one was meant is not the operator's to guess. Approve was taken, silently, before.
     both = APPROVE in annotations and REJECT in annotations
@@ -535,7 +550,7 @@ async def actions(
         if key not in annotations:
             continue
         value = str(annotations[key]).strip()
-        # Every annotation is removed by _consume (only while it still reads what was acted on),
+        # Every annotation is removed by remove() (only while it still reads what was acted on),
         # never by kopf's patch: that one lands after the handler returns, whatever the
         # annotation reads by then, and deleted the decision a human set on seeing this one's
         # Event ("approve=3" refused, "approve=0" set, then erased with no Event: the run
@@ -548,8 +563,7 @@ async def actions(
                 # Acted on before it is consumed: a cancel applied twice is one cancel.
                 now, changed = await store.cancel(run.id, f"cancelled by {who}")
                 consumed = True
-                await app.kube.consume_annotation(namespace or "", name, uid, key,
-                                                  str(annotations[key]))
+                await remove(key)
                 if not changed:
                     await app.event(ref, Event(
                         "Normal", Reason.CANCEL_IGNORED, one_line(
@@ -566,7 +580,7 @@ async def actions(
                 reason = who if value.lower() in ("true", "yes", "1") else f"{value} ({who})"
                 # Consumed first, as approve/reject: a replay after an operator killed before
                 # kopf's removal retried a run that had failed again, with nobody asking.
-                if not await _consume(app, namespace or "", name, uid, key, annotations, run.id):
+                if not await taken(key):
                     continue
                 consumed = True
                 try:
@@ -597,8 +611,7 @@ async def actions(
                 call = await store.decide(run.id, wait, decision, decided_by=who)
                 crash_point("operator_after_annotation_decide", wait.seq)
                 consumed = True
-                await app.kube.consume_annotation(namespace or "", name, uid, key,
-                                                  str(annotations[key]))
+                await remove(key)
                 await app.event(ref, Event(
                     "Normal",
                     Reason.APPROVED if key == APPROVE else Reason.REJECTED,
@@ -615,8 +628,7 @@ async def actions(
             # Consumed before the Event says so: whoever reads it and sets the annotation again
             # is never undone by this removal. Changed since it was read: the new value is
             # handled next; this one is moot.
-            if not consumed and not await _consume(app, namespace or "", name, uid, key,
-                                                   annotations, run.id):
+            if not consumed and not await taken(key):
                 continue
             # The value is anyone's text: escaped on one line, or a newline in it forged rows of
             # `kubectl describe`'s Events table and an escape sequence reached the terminal.
@@ -627,19 +639,6 @@ async def actions(
                         extra={"run_id": str(run.id)})
         except DB_ERRORS as exc:
             raise kopf.TemporaryError(f"database: {exc}", delay=DB_RETRY_DELAY) from None
-
-
-async def _consume(
-    app: OperatorApp, namespace: str, name: str, uid: str, key: str,
-    annotations: Mapping[str, str], run_id: UUID,
-) -> bool:
-    """Remove the action annotation ``key`` as it is now (a JSON patch testing its value), before
-    acting on it; False: it was consumed before (a replay of this handler), so not acted on."""
-    if await app.kube.consume_annotation(namespace, name, uid, key, str(annotations[key])):
-        return True
-    log.info("AgentRun %s/%s: %s=%s was consumed before; not applied again", namespace, name,
-             key, annotations[key], extra={"run_id": str(run_id)})
-    return False
 
 
 def _not_recorded(exc: BaseException) -> ConfigError:

@@ -615,12 +615,7 @@ async def test_a_retry_racing_a_prune_is_refused_with_an_event(
     (agentrun prune beside it) raised RunNotFound through the handler: a traceback, the
     annotation consumed, and never an Event."""
     op = operators.start()
-    cluster.apply_agent(agent_manifest())
-    cluster.apply_agentrun(agentrun_manifest("pruned"))
-    run = await run_of(store, cluster, "pruned")
-    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
-    await store.finish(lease, "failed", error="tool crashed")
-    await eventually(lambda: status(cluster, "pruned").get("phase") == "failed", 15, "failed")
+    run = await failed_run(cluster, store, "pruned")
     with psycopg.connect(database_url) as prune:  # a prune's batch, its transaction still open
         prune.execute(queries["prune_set_flag"])
         batch = prune.execute(queries["prune_batch"], {
@@ -1302,12 +1297,7 @@ async def test_action_annotations_of_anyones_text_are_refused_escaped_or_acted_o
     "false" retried the run; and a refused value reached its Event raw, where a newline forged
     rows of `kubectl describe`'s Events table."""
     operators.start()
-    cluster.apply_agent(agent_manifest())
-    cluster.apply_agentrun(agentrun_manifest("texts"))
-    run = await run_of(store, cluster, "texts")
-    [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
-    await store.finish(lease, "failed", error="tool crashed")
-    await eventually(lambda: status(cluster, "texts").get("phase") == "failed", 15, "failed")
+    run = await failed_run(cluster, store, "texts")
 
     def refused() -> list[str]:
         return [e["message"] for e in cluster.events("texts") if e["reason"] == "ActionRefused"]
@@ -1437,9 +1427,7 @@ async def test_an_annotation_is_acted_on_after_the_api_server_and_the_database_c
     change applied it, much later, with nobody asking. Said once per kind, tried again."""
     with proxied(operators, database_url, tmp_path) as (api, db):
         op = operators.start()
-        run, lease = await claimed_run(cluster, store, "blip")
-        await store.finish(lease, "failed", error="tool crashed")
-        await eventually(lambda: status(cluster, "blip").get("phase") == "failed", 15, "failed")
+        run = await failed_run(cluster, store, "blip")
 
         def said(kind: str) -> bool:
             return any("its annotations are not acted on yet" in ln and kind in ln
@@ -1494,6 +1482,14 @@ async def claimed_run(cluster: Kube, store: Store, name: str) -> tuple[Run, Any]
     run = await run_of(store, cluster, name)
     [(_, lease)] = (await store.with_lease_ttl(30).claim("default", "w")).claimed
     return run, lease
+
+
+async def failed_run(cluster: Kube, store: Store, name: str) -> Run:
+    """claimed_run's run, failed, and mirrored so."""
+    run, lease = await claimed_run(cluster, store, name)
+    await store.finish(lease, "failed", error="tool crashed")
+    await eventually(lambda: status(cluster, name).get("phase") == "failed", 15, "failed")
+    return run
 
 
 @contextlib.contextmanager

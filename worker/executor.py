@@ -544,12 +544,13 @@ class RunExecutor:
         log.error("run failed: %s", error)
 
     async def rollback(self, h: RunHandle) -> int:
-        """Run the compensations still due, newest effect first. Returns how many ran now."""
+        """Run the compensations still due, newest effect first. Returns how many ran now.
+        Called once the rollback began (abort): a call a worker was lost inside was recorded as
+        an intent before begin_rollback cleared the mark, so every effect due is a recorded one."""
         due = await self.store.compensations_due(h.run.id)
         seq = (await self.store.get_run(h.run.id)).next_seq
         for effect in due:
-            if effect.compensate is None:
-                continue  # an older worker's lost call no registry here knows: nothing to run
+            assert effect.compensate is not None  # recorded effects only (see above)
             try:
                 spec = self.registry.get(effect.compensate)
             except UnknownToolError as exc:
@@ -572,9 +573,6 @@ class RunExecutor:
             # run. Unmarked, the death was a plain one: this run's error said nothing, and the
             # runs sharing the worker each lost an attempt to it, until they dead-lettered.
             self._refuse_if_lost(h, effect.compensate)
-            if effect.state == "unrecorded":
-                # Before the mark below replaces the one that names it (_record_lost_call).
-                await self._record_intent(h, effect)
             if effect.busy_until is not None:  # a lost worker's or a timed-out call's thread
                 await self._outwait(h, effect, effect.busy_until)
             sent = time.monotonic()
