@@ -105,6 +105,36 @@ def test_a_statement_the_server_cancels_is_a_database_error_not_an_unreachable_o
         "agentrun: error: database error: canceling statement due to statement timeout")
 
 
+# -- Ctrl-C while the CLI is still importing -------------------------------------------------------
+
+#: Runs the console script's entry point with a real SIGINT sent to the process at the moment an
+#: import reaches the module argv[1] names: a Ctrl-C in the few hundred milliseconds before
+#: `agentrun` can handle one.
+_INTERRUPTED_IMPORT = """
+import importlib.abc, os, signal, sys
+AT = sys.argv.pop(1)
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == AT:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from agentrun.entrypoint import main
+sys.exit(main())
+"""
+
+
+# pydantic: the tool SDK, which `import agentrun` itself imported before its exports were lazy.
+@pytest.mark.parametrize("at", ["pydantic", "psycopg"])
+def test_ctrl_c_while_the_cli_imports_exits_130_without_a_traceback(at: str) -> None:
+    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, at, "runs"],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stderr, res.stdout) == (130, "", "")
+
+
 # -- AGENTRUN_DATA_DIR ---------------------------------------------------------------------------
 
 

@@ -297,6 +297,8 @@ async def test_cancel_rollback_undoes_what_a_dead_lettered_run_did(store: Store)
     assert (asked.status, asked.rollback_reason, asked.rollback_end, asked.finished_at) == (
         "pending", "cancelled: undo the hold", "cancelled", None)
     assert asked.stalled_attempts == 0 and asked.claim_seq == asked.next_seq  # a fresh budget
+    # Rolling back, it no longer reads as dead-lettered; why it was is kept, as a retry keeps it.
+    assert asked.error is None and (asked.retried_error or "").startswith("dead-lettered: ")
     done = await next_claim_ends(store, ex, "w4")
     assert (done.status, done.error) == (
         "cancelled", "cancelled: undo the hold; compensated: unhold for hold (step 0)")

@@ -113,7 +113,7 @@ def test_the_fenced_otherwise_list_names_only_real_holder_statements() -> None:
 
 #: Entry points may import every layer; the core (store, manifests, tools, ...) neither the
 #: worker, the operator nor an entry point; the worker and the operator never each other.
-ENTRY = ("agentrun.cli", "agentrun.__main__")
+ENTRY = ("agentrun.cli", "agentrun.__main__", "agentrun.entrypoint")
 
 
 def _layer(module: str) -> str:

@@ -1,5 +1,5 @@
 import sys
 
-from agentrun.cli import main
+from agentrun.entrypoint import main
 
 sys.exit(main())

@@ -54,7 +54,13 @@ from agentrun.config import (
     redact_url,
 )
 from agentrun.embedded import database_url
-from agentrun.errors import EXIT_TIMEOUT, AgentrunError, ConfigError, DatabaseUnavailable
+from agentrun.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TIMEOUT,
+    AgentrunError,
+    ConfigError,
+    DatabaseUnavailable,
+)
 from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests
 from agentrun.migrations import migrate, schema_version
@@ -1596,7 +1602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"agentrun: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 #: The exit code of a deadline that passed (``wait``/``submit --wait --timeout``, ``demo
 #: --timeout``), as coreutils timeout's.
 EXIT_TIMEOUT = 124
+#: The exit code of a command ended by Ctrl-C (SIGINT), as a shell's: 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 class AgentrunError(Exception):

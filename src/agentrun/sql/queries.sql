@@ -649,6 +649,8 @@ SELECT r.status, r.pending_call,
 -- stayed done, and nothing could undo them. It becomes pending with a fresh poison-run budget
 -- (as a retry gives it), and the next claim runs its compensations only, then ends it as asked.
 -- One dead-lettered in the middle of a rollback keeps that rollback: a retry resumes it.
+-- Its dead-letter error moves to retried_error, as a retry's does: it said "dead-lettered" while
+-- the run was pending and rolling back, until the rollback ended.
 WITH before AS (
     SELECT id, rollback_reason IS NULL AS requested_now FROM agent_run
      WHERE id = %(run_id)s
@@ -665,7 +667,9 @@ UPDATE agent_run r
        pending_call = CASE WHEN r.status = 'waiting_approval' THEN NULL ELSE r.pending_call END,
        stalled_attempts = CASE WHEN r.status = 'dead_letter' THEN 0 ELSE r.stalled_attempts END,
        claim_seq = CASE WHEN r.status = 'dead_letter' THEN r.next_seq ELSE r.claim_seq END,
-       finished_at = CASE WHEN r.status = 'dead_letter' THEN NULL ELSE r.finished_at END
+       finished_at = CASE WHEN r.status = 'dead_letter' THEN NULL ELSE r.finished_at END,
+       retried_error = CASE WHEN r.status = 'dead_letter' THEN r.error ELSE r.retried_error END,
+       error = CASE WHEN r.status = 'dead_letter' THEN NULL ELSE r.error END
   FROM before
  WHERE r.id = before.id
 RETURNING r.*, before.requested_now;
