@@ -60,6 +60,8 @@ class Decision:
 class Scaler:
     settings: PoolScaling
     _lower_since: float | None = field(default=None, init=False)
+    #: The live runs when the lower demand was last seen: more since is a new run.
+    _lower_live: int = field(default=0, init=False)
 
     def slots(self, depth: PoolDepth | None) -> int:
         """Run slots the pool should have: its live runs, plus the spare ones while any."""
@@ -93,8 +95,13 @@ class Scaler:
             if wanted > current:
                 return Decision(wanted, f"scale up: {need} need {wanted}")
             return Decision(current, "steady")
-        if self._lower_since is None:
+        live = (depth.pending + depth.running) if depth else 0
+        # A new run restarts the clock even when demand stays below the current count: it is
+        # claimed by one of the pods the scale-down would remove (5 pods, idle for 295 s of 300,
+        # then 8 new runs: 2 pods would do, and 6 s later 3 pods went, draining fresh runs).
+        if self._lower_since is None or live > self._lower_live:
             self._lower_since = now
+        self._lower_live = live
         waited = now - self._lower_since
         delay = self.settings.scale_down_delay
         if waited < delay:

@@ -60,6 +60,27 @@ async def test_a_new_run_during_the_delay_cancels_the_scale_down(store: Store) -
     assert scaler.decide(None, 2, now=76).replicas == 0
 
 
+async def test_a_new_run_restarts_the_clock_when_demand_stays_below_the_count(
+    store: Store,
+) -> None:
+    """Found by an adversarial review: 5 pods idle for 295 s of a 300 s delay, then 8 new runs
+    (2 pods would do). The old clock went on, and 6 s later 3 pods were removed, each draining
+    the fresh runs it had just claimed."""
+    scaler = Scaler(PoolScaling(pool="gpu", deployment="w", runs_per_worker=4, max_replicas=10,
+                                scale_down_delay=300))
+    assert scaler.decide(None, 5, now=0).reason.startswith("hold")
+    for _ in range(8):
+        await store.create_run("t", AGENT)
+    burst = (await store.pool_depth())["gpu"]
+    assert scaler.decide(burst, 5, now=295).reason == "hold: 2 would do for 0s of 300s"
+    assert scaler.decide(burst, 5, now=301).replicas == 5  # the clock started at the new runs
+    # Fewer live runs since (one ended) is not a new run: the clock runs on from 295.
+    await store.cancel((await store.list_runs(status="pending"))[0].id)
+    fewer = (await store.pool_depth())["gpu"]
+    assert scaler.decide(fewer, 5, now=594).reason == "hold: 2 would do for 299s of 300s"
+    assert scaler.decide(fewer, 5, now=596).replicas == 2
+
+
 def test_bad_pool_settings_name_the_field() -> None:
     with pytest.raises(ValueError, match="runsPerWorker"):
         PoolScaling(pool="p", deployment="d", runs_per_worker=0)
