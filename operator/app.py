@@ -47,6 +47,7 @@ from urllib3.exceptions import HTTPError as TransportError
 
 from agentrun.config import redact_message, redact_url
 from agentrun.errors import ConfigError, DatabaseUnavailable
+from agentrun.logs import unsecret
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.operator.api import Reason
 from agentrun.operator.autoscaler import Autoscaler
@@ -281,10 +282,10 @@ class OperatorApp:
 
     def _failed(self, exc: BaseException) -> None:
         self.metrics.db_up.set(0)
-        self.readiness.database.failed(redact_message(str(exc), self.settings.database_url)
-                                       or type(exc).__name__)
+        reason = " ".join(redact_message(str(exc), self.settings.database_url).split())
+        self.readiness.database.failed(reason or type(exc).__name__)
         if self.db_up or self._reported is None:
-            log.error("database unavailable: %s", " ".join(str(exc).split()) or type(exc).__name__)
+            log.error("database unavailable: %s", reason or type(exc).__name__)
         self.db_up = False
         if self._reported is not False:
             self._reported = False
@@ -505,6 +506,8 @@ class OperatorApp:
         """Post an Event about an AgentRun. The operator's only Event source: kopf's own
         posting of its log lines is off, so one object never gets Events from two sources."""
         meta = body["metadata"]
+        # A refusal may quote a database error, which may quote the connection string.
+        e = replace(e, message=unsecret(e.message))
         self.metrics.events.labels(e.reason).inc()
         log.log(logging.WARNING if e.type == "Warning" else logging.INFO,
                 "AgentRun %s/%s: %s: %s", meta["namespace"], meta["name"], e.reason, e.message,

@@ -982,6 +982,20 @@ async def test_operator_migrates_at_startup_unless_told_not_to(
         ops.stop_all()
 
 
+async def test_the_operator_logs_a_database_error_without_the_password(
+    operators: NsOperators, database_url: str
+) -> None:
+    """Found by a review: the operator logged "database unavailable" with psycopg's message as
+    it was, which quotes what the server echoes (here a database name holding a URI with its
+    password), while its readiness masked the same message."""
+    secret_db = "postgresql://u:pw-alpha/pw-bravo@127.0.0.1:1/d"
+    url = make_conninfo(database_url, dbname=secret_db)
+    op = operators.start(env={"AGENTRUN_DATABASE_URL": url})
+    await eventually(lambda: "database unavailable" in op.output(), 30, "the outage said")
+    said = op.output()
+    assert "pw-alpha" not in said and "pw-bravo" not in said, said
+
+
 async def test_oldest_pending_age_returns_to_zero_when_the_pool_empties(
     cluster: Kube, operators: NsOperators, store: Store
 ) -> None:

@@ -64,6 +64,11 @@ CASES = [
     ("postgresql://u@127.0.0.1:1/db?pass%77ord=pw-alpha-bravo&bogus=1", 2, "malformed"),
     # Not a scheme at all: "://" inside a keyword-form password.
     ("host=127.0.0.1 port=1 password=pw-alpha://bravo", 3, "cannot connect"),
+    # An unencoded / or @ in a URI's password: libpq still parses it, reading the password's
+    # head as the port ("has port 'pw-alpha'") or its tail as the host ("failed to resolve host
+    # 'pw-bravo@127.0.0.1'"), and both were printed (found by a review).
+    (AT_IN_PASSWORD := "postgresql://u:pw-alpha@pw-bravo@127.0.0.1:1/db", 3, "cannot connect"),
+    ("postgresql://u:pw-alpha/pw-bravo@127.0.0.1:1/db", 2, "percent-encode"),
 ]
 
 
@@ -75,11 +80,15 @@ def test_a_connection_error_shows_no_part_of_the_password(url: str, code: int, s
     assert says in one_line_error(proc.stderr)
 
 
-def test_the_worker_says_the_same(tmp_path: Path) -> None:
+# The second: a log line quoting libpq's error as it is, masked by the log formatter alone.
+@pytest.mark.parametrize("url", ["host=127.0.0.1 port=1 password='pw-alpha pw-bravo'",
+                                 AT_IN_PASSWORD])
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_worker_says_the_same(tmp_path: Path, url: str, log_format: str) -> None:
     """A worker waits for a database that does not answer (issue 19) and says why, redacted."""
     err = tmp_path / "stderr"
-    env = {**os.environ, "ANTHROPIC_API_KEY": "test", "AGENTRUN_LOG_FORMAT": "text",
-           "AGENTRUN_DATABASE_URL": "host=127.0.0.1 port=1 password='pw-alpha pw-bravo'"}
+    env = {**os.environ, "ANTHROPIC_API_KEY": "test", "AGENTRUN_LOG_FORMAT": log_format,
+           "AGENTRUN_DATABASE_URL": url}
     with err.open("w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentrun", "worker", "--health-port", "-1",

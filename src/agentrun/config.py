@@ -74,15 +74,25 @@ def _keyword_spans(url: str) -> list[tuple[int, int]] | None:
 
 
 def _uri_spans(url: str) -> list[tuple[int, int]]:
-    """Where the password is written in a URI that libpq accepts: the user info (up to the first
-    @ before any /) and any password= query parameter."""
+    """Where the password is, or may be, written in a URI that libpq accepts: from the user
+    info's colon to the authority's last @, and any password= query parameter.
+
+    libpq ends the user info at the first @ or /, so a password with an unencoded @ or / still
+    parses, its tail read as the host (``u:pw@rd@h``: host 'rd@h') or its head as the port and
+    its tail as the database (``u:pw/rd@h/db``: port 'pw', database 'rd@h/db'). Masking only
+    what libpq calls the password showed the rest. So the span runs to the last @ before the
+    first / (or ?), or, with none there, to the last @ before the first ?: over-masking a
+    database name with an @ in it is the price."""
     spans = []
     rest = url.index("://") + 3
-    end = rest
-    while end < len(url) and url[end] not in "@/":
-        end += 1
-    if end < len(url) and url[end] == "@" and ":" in url[rest:end]:
-        spans.append((url.index(":", rest) + 1, end))
+    query = url.find("?", rest)
+    head_end = query if query >= 0 else len(url)
+    slash = url.find("/", rest, head_end)
+    at = url.rfind("@", rest, slash if slash >= 0 else head_end)
+    if at < 0:
+        at = url.rfind("@", rest, head_end)
+    if at >= 0 and ":" in url[rest:at]:
+        spans.append((url.index(":", rest) + 1, at))
     return spans + _query_spans(url, to_end=False)
 
 
@@ -183,6 +193,26 @@ def login_refused(message: str) -> bool:
     return bool(_LOGIN_REFUSED.search(message))
 
 
+def secret_pieces(url: str) -> frozenset[str]:
+    """Every text a message about ``url`` may show of its password: each stretch that is or may
+    be one, the password as libpq reads it, and each other value libpq reads out of a password's
+    stretch (``u:pw@rd@h``: the host 'rd@h'; ``u:pw/rd@h/db``: the port 'pw' and the database
+    'rd@h/db'), which libpq's own errors quote ("could not translate host name "rd@h"")."""
+    spans = _password_spans(url)
+    pieces = {url[a:b].strip("'") for a, b in spans}
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        params = {}
+    pieces.add(str(params.get("password") or ""))
+    for key, value in params.items():
+        at = url.find(str(value)) if value and key != "password" else -1
+        if at >= 0 and any(a < at + len(str(value)) and at < b for a, b in spans):
+            pieces.add(str(value))
+    pieces.discard("")
+    return frozenset(pieces)
+
+
 def redact_message(message: str, url: str | None) -> str:
     """A message from libpq or the server about ``url``, safe to print.
 
@@ -197,12 +227,7 @@ def redact_message(message: str, url: str | None) -> str:
     if url in message:
         message = message.replace(url, redact_url(url))
     outside = _mask(url, spans, "\x00")
-    secrets = {url[a:b].strip("'") for a, b in spans}
-    try:
-        secrets.add(str(conninfo_to_dict(url).get("password") or ""))
-    except psycopg.ProgrammingError:
-        pass
-    secrets.discard("")
+    secrets = secret_pieces(url)
 
     def quoted(m: re.Match[str]) -> str:
         piece = m.group(1)
@@ -238,9 +263,12 @@ def validate_database_url(url: str) -> str:
     port = str(params.get("port") or "")
     if port and not all(p.isascii() and p.isdigit() and 1 <= int(p) <= 65535
                         for p in port.split(",")):
+        # The "port" may be a password's head (u:pw/rd@h: libpq ends the user info at the /).
+        inside = any(port in url[a:b] for a, b in _password_spans(url))
         raise ConfigError(
-            f"{DATABASE_URL_ENV} has port {port!r}, not a number from 1 to 65535; "
-            "expected postgresql://USER@HOST:PORT/DB"
+            f"{DATABASE_URL_ENV} has port {MASK if inside else repr(port)}, not a number from 1 "
+            "to 65535; expected postgresql://USER@HOST:PORT/DB (percent-encode / @ : ? in a "
+            "password)"
         )
     return url
 

@@ -114,9 +114,12 @@ class Database(NamedTuple):
 
 def database_url(quiet: bool = False) -> Database:
     """AGENTRUN_DATABASE_URL if set (validated), else the embedded server's URL."""
-    from agentrun.config import DATABASE_URL_ENV, validate_database_url
+    from agentrun.config import DATABASE_URL_ENV, secret_pieces, validate_database_url
+    from agentrun.logs import hide_in_logs
 
     url = os.environ.get(DATABASE_URL_ENV)
     if url is not None:
-        return Database(validate_database_url(url), embedded=False)
+        valid = validate_database_url(url)
+        hide_in_logs(secret_pieces(valid))
+        return Database(valid, embedded=False)
     return Database(ensure_embedded(quiet=quiet), embedded=True)

@@ -48,6 +48,34 @@ def set_process_fields(**fields: str | None) -> None:
             _process_fields.pop(key, None)
 
 
+#: What no log line may show: the pieces of the database URL's password (hide_in_logs).
+_hidden: tuple[str, ...] = ()
+#: A mask, as agentrun.config's.
+_MASK = "***"
+
+
+def hide_in_logs(pieces: frozenset[str]) -> None:
+    """Mask these texts (agentrun.config.secret_pieces of the database URL) in every log line
+    and traceback from now on, and in what :func:`unsecret` returns. libpq's and the server's
+    errors quote pieces of the connection string (a host read out of a password with an unencoded
+    @), and dozens of lines log such an error as it is."""
+    global _hidden
+    _hidden = tuple(sorted(set(_hidden) | pieces, key=len, reverse=True))
+
+
+def unsecret(text: str) -> str:
+    """``text`` with every hidden piece masked: quoted ones whatever their length, bare ones
+    from 4 characters (masking every bare "ab" would garble the line; libpq quotes what it
+    shows of a connection string)."""
+    for piece in _hidden:
+        if piece in text:
+            for quote in ('"', "'"):
+                text = text.replace(f"{quote}{piece}{quote}", f"{quote}{_MASK}{quote}")
+            if len(piece) >= 4:
+                text = text.replace(piece, _MASK)
+    return text
+
+
 class RunIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "run_id", None) is None:
@@ -100,13 +128,13 @@ class TextFormatter(logging.Formatter):
         prefix = f"{ts} {record.levelname:<7} {record.name}"
         if run:
             prefix += f" run={run}"
-        msg = record.getMessage().translate(_LINE_CONTROLS)
+        msg = unsecret(record.getMessage()).translate(_LINE_CONTROLS)
         if (ref := _object_ref(record)) and ref.get("name"):
             where = f"{ref['namespace']}/{ref['name']}" if ref.get("namespace") else ref["name"]
             msg = f"[{where}] {msg}"
         line = f"{prefix}: {msg}"
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            line += "\n" + unsecret(self.formatException(record.exc_info))
         return line
 
 
@@ -116,7 +144,7 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": unsecret(record.getMessage()),
         }
         run = getattr(record, "run_id", None)
         if run:
@@ -131,7 +159,7 @@ class JsonFormatter(logging.Formatter):
         if ids := span_ids():
             out["trace_id"], out["span_id"] = ids
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = unsecret(self.formatException(record.exc_info))
         return json.dumps(out, default=str)
 
 
