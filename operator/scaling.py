@@ -1,7 +1,8 @@
 """How many workers a pool should have: the operator's scaling decision, kept pure.
 
     desired = ceil((pending + running + spareSlots) / runsPerWorker), clamped to
-              [minReplicas, maxReplicas]; spareSlots only while the pool has live runs
+              [minReplicas, maxReplicas]; spareSlots only while the pool has live runs;
+              pending leaves out the runs held back by their namespace's quota
 
 ``spareSlots`` is headroom: free run slots kept on running workers, so the runs a deleted or
 drained pod hands back are claimed at once by the survivors instead of waiting for its
@@ -64,8 +65,9 @@ class Scaler:
     _lower_live: int = field(default=0, init=False)
 
     def slots(self, depth: PoolDepth | None) -> int:
-        """Run slots the pool should have: its live runs, plus the spare ones while any."""
-        live = (depth.pending + depth.running) if depth else 0
+        """Run slots the pool should have: its live runs, plus the spare ones while any. A run
+        held back by its namespace's quota is not live: no worker could claim it."""
+        live = depth.live if depth else 0
         return live + self.settings.spare_slots if live else 0
 
     def demand(self, depth: PoolDepth | None) -> int:
@@ -73,7 +75,7 @@ class Scaler:
         return max(self.settings.min_replicas, min(self.settings.max_replicas, wanted))
 
     def _need(self, depth: PoolDepth | None) -> str:
-        live = (depth.pending + depth.running) if depth else 0
+        live = depth.live if depth else 0
         spare = self.settings.spare_slots
         return f"{live} live runs + {spare} spare slots" if spare and live else f"{live} live runs"
 
@@ -95,7 +97,7 @@ class Scaler:
             if wanted > current:
                 return Decision(wanted, f"scale up: {need} need {wanted}")
             return Decision(current, "steady")
-        live = (depth.pending + depth.running) if depth else 0
+        live = depth.live if depth else 0
         # A new run restarts the clock even when demand stays below the current count: it is
         # claimed by one of the pods the scale-down would remove (5 pods, idle for 295 s of 300,
         # then 8 new runs: 2 pods would do, and 6 s later 3 pods went, draining fresh runs).

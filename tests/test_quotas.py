@@ -14,6 +14,7 @@ from collections import Counter
 import psycopg
 
 from agentrun.migrations import migrate
+from agentrun.operator.scaling import PoolScaling, Scaler
 from agentrun.store import Lease, ManifestName, Run, Store
 from tests.workerkit import AGENT
 
@@ -74,6 +75,26 @@ async def test_a_namespace_at_its_quota_is_passed_over_and_the_others_are_claime
     again = (await store.claim("default", "w2", limit=10)).claimed
     assert [r.k8s_namespace for r, _ in again] == ["noisy"]
     assert await running_by_namespace(database_url) == {"noisy": 2, "quiet": 3}
+
+
+async def test_runs_held_back_by_a_quota_are_no_demand_for_workers(store: Store) -> None:
+    """Found by a review: 40 runs queued behind a quota of 1 asked the autoscaler for 10 pods,
+    idle for as long as the backlog lasted. Held back, they are pending (the oldest-pending
+    alert still sees them) but not live: no pod for them."""
+    await store.set_quota("team-a", 1)
+    await create(store, "team-a", 40)
+    await create(store, "team-b", 2)  # no quota: both are demand
+    assert len((await store.claim("default", "w1", 1)).claimed) == 1  # team-a's one slot
+    depth = (await store.pool_depth())["default"]
+    probed = (await store.operator_probe()).depths["default"]
+    assert depth == probed
+    # Live: team-a's running run and team-b's two.
+    assert (depth.pending, depth.held_back, depth.running, depth.live) == (41, 39, 1, 3)
+    scaler = Scaler(PoolScaling("default", "workers", runs_per_worker=1, max_replicas=20))
+    assert scaler.demand(depth) == 3
+    # A raised quota lets 4 more through.
+    await store.set_quota("team-a", 5)
+    assert (await store.pool_depth())["default"].live == 7
 
 
 async def test_the_count_follows_every_way_out_of_running(store: Store) -> None:

@@ -628,6 +628,13 @@ class PoolDepth:
     pending: int
     running: int
     oldest_pending: datetime | None
+    #: Of ``pending``, those a claim passes over while their namespace is at its quota.
+    held_back: int = 0
+
+    @property
+    def live(self) -> int:
+        """The runs that want a worker now: running, or pending and claimable."""
+        return self.pending - self.held_back + self.running
 
 
 @dataclass(frozen=True)
@@ -1553,7 +1560,7 @@ class Store:
         async with self.pool.connection() as conn:
             cur = await conn.execute(queries["operator_probe"])
             rows = await cur.fetchall()
-        depths = {str(r[0]): PoolDepth(str(r[0]), int(r[1]), int(r[2]), r[3])
+        depths = {str(r[0]): PoolDepth(str(r[0]), int(r[1]), int(r[2]), r[3], int(r[7]))
                   for r in rows if r[0] is not None}
         first = rows[0]
         return Probe(depths, (int(first[4]), int(first[5]), int(first[6])))

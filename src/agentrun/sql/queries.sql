@@ -382,14 +382,19 @@ SELECT run_id, seq, kind, payload, request_id, lease_epoch, worker, created_at
 
 -- pool_depth --
 -- Pending and running runs of every pool, each status counted from its own index
--- (agent_run_pending_idx, agent_run_lease_idx): finished runs are never read.
+-- (agent_run_pending_idx, agent_run_lease_idx): finished runs are never read. held_back: the
+-- pending runs a claim passes over for their namespace's quota (the pool_held_back view,
+-- migration 0024), which are no demand for workers.
 SELECT pool, sum(pending)::bigint AS pending, sum(running)::bigint AS running,
-       min(oldest_pending) AS oldest_pending
-  FROM (SELECT pool, count(*) AS pending, 0 AS running, min(created_at) AS oldest_pending
+       min(oldest_pending) AS oldest_pending, sum(held_back)::bigint AS held_back
+  FROM (SELECT pool, count(*) AS pending, 0 AS running, min(created_at) AS oldest_pending,
+               0 AS held_back
           FROM agent_run WHERE status = 'pending' GROUP BY pool
         UNION ALL
-        SELECT pool, 0, count(*), NULL
-          FROM agent_run WHERE status = 'running' GROUP BY pool) by_status
+        SELECT pool, 0, count(*), NULL, 0
+          FROM agent_run WHERE status = 'running' GROUP BY pool
+        UNION ALL
+        SELECT pool, 0, 0, NULL, held_back FROM pool_held_back) by_status
  GROUP BY pool;
 
 -- operator_probe --
@@ -397,15 +402,16 @@ SELECT pool, sum(pending)::bigint AS pending, sum(running)::bigint AS running,
 -- pool when no pool has live runs) beside a fingerprint of the live runs of AgentRun objects
 -- (their number and a hash of every id and updated_at, which the agent_run trigger bumps on every
 -- change, so any change moves it, also one committed out of order) and of the namespace quotas.
--- The full resync reads the runs only when a fingerprint moved.
+-- The full resync reads the runs only when a fingerprint moved. held_back: as pool_depth's.
 WITH depth AS (
-    SELECT pool,
+    SELECT a.pool,
            count(*) FILTER (WHERE status = 'pending')  AS pending,
            count(*) FILTER (WHERE status = 'running')  AS running,
-           min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
-      FROM agent_run
+           min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending,
+           coalesce(max(h.held_back), 0) AS held_back
+      FROM agent_run a LEFT JOIN pool_held_back h ON h.pool = a.pool
      WHERE status IN ('pending', 'running')
-     GROUP BY pool
+     GROUP BY a.pool
 ), live AS (
     SELECT count(*) AS live_runs,
            coalesce(sum(hashtext(id::text || updated_at::text)), 0) AS live_hash
@@ -416,7 +422,8 @@ WITH depth AS (
            AS quota_hash
       FROM namespace_quota
 )
-SELECT d.pool, d.pending, d.running, d.oldest_pending, l.live_runs, l.live_hash, q.quota_hash
+SELECT d.pool, d.pending, d.running, d.oldest_pending, l.live_runs, l.live_hash, q.quota_hash,
+       d.held_back
   FROM live l CROSS JOIN quota q LEFT JOIN depth d ON true;
 
 -- ping --

@@ -258,6 +258,18 @@ CREATE TABLE public.namespace_quota (
     CONSTRAINT namespace_quota_max_running_check CHECK ((max_running >= 0))
 );
 
+CREATE VIEW public.pool_held_back AS
+ SELECT ranked.pool,
+    count(*) AS held_back
+   FROM ( SELECT r.pool,
+            GREATEST((q.max_running - q.running), 0) AS free,
+            row_number() OVER (PARTITION BY r.k8s_namespace ORDER BY r.created_at, r.id) AS rank
+           FROM (public.agent_run r
+             JOIN public.namespace_quota q ON ((q.namespace = r.k8s_namespace)))
+          WHERE (r.status = 'pending'::text)) ranked
+  WHERE (ranked.rank > ranked.free)
+  GROUP BY ranked.pool;
+
 CREATE TABLE public.pool_toolset (
     pool text NOT NULL,
     tools_hash text NOT NULL,
