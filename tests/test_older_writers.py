@@ -11,8 +11,9 @@ release before 0016 (`git show d0cf257^:src/agentrun/sql/queries.sql`), word for
 from __future__ import annotations
 
 import psycopg
+import pytest
 
-from agentrun.store import Store
+from agentrun.store import DB_ERRORS, StalePlan, Store
 from tests.workerkit import AGENT
 
 #: request_rollback before 0016: cancel --rollback, reject --abort.
@@ -71,3 +72,46 @@ async def test_an_older_releases_rollback_statements_work_on_todays_schema(
     assert not recorded or (now.rollback_reason, now.rollback_end) == (
         "cancelled: plans changed", "cancelled")
     assert rollback_of(database_url, cancelled.id) == ("cancelled: plans changed", "cancelled")
+
+
+def newer_release(url: str, table: str) -> None:
+    """What a newer release's migration often does: a column added to ``table``."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN from_a_newer_release integer")
+
+
+async def test_statements_prepared_before_a_migration_are_prepared_anew_after_it(
+    database_url: str,
+) -> None:
+    """The other side of a rollout: a newer release's migration (the chart's operator runs it
+    at its start) adds a column under the statements a running worker or CLI prepared with
+    ``SELECT *`` / ``RETURNING *``, and PostgreSQL refuses them ("cached plan must not change
+    result type"). Every worker died at its next claim, and `wait` and `logs -f` with a traceback
+    (found by a review). One connection, so every statement below meets its old plan."""
+    store = await Store.open(database_url, min_size=1, max_size=1)
+    try:
+        run, _ = await store.create_run("outlive a migration", AGENT)
+        ((_, lease),) = (await store.claim("default", "w1", 1)).claimed
+        await store.get_run(run.id)
+        newer_release(database_url, "agent_run")
+        # Outside a transaction: sent again, prepared anew, as if nothing happened.
+        assert (await store.get_run(run.id)).status == "running"
+        await store.append_step(lease, 0, "model_turn", {"content": [], "stop_reason": "end_turn"})
+        assert [s.seq for s in await store.steps(run.id)] == [0]
+        other, _ = await store.create_run("claimed after it", AGENT)
+        assert [r.id for r, _ in (await store.claim("default", "w1", 1)).claimed] == [other.id]
+        # Inside a transaction: an outage to its caller, and the caller's retry goes through
+        # (no store statement in a transaction returns a `*` today; the contract stands).
+        assert issubclass(StalePlan, DB_ERRORS)
+        every = "SELECT * FROM namespace_quota"
+        async with store.pool.connection() as conn:
+            await conn.execute(every)
+        newer_release(database_url, "namespace_quota")
+        async with store.pool.connection() as conn:
+            with pytest.raises(StalePlan):
+                async with conn.transaction():
+                    await conn.execute(every)
+        async with store.pool.connection() as conn, conn.transaction():
+            await conn.execute(every)
+    finally:
+        await store.close()

@@ -185,6 +185,46 @@ class ConnectOptions:
         return params
 
 
+class StalePlan(DatabaseUnavailable):
+    """A prepared statement a migration outdated, met inside a transaction (so not sent again
+    here): the transaction's rollback makes psycopg forget its prepared statements, and the
+    statement tried again is prepared anew."""
+
+
+def _stale_plan(exc: psycopg.Error) -> bool:
+    """PostgreSQL refusing a prepared statement whose result columns changed since it was
+    prepared ("cached plan must not change result type"): a migration added a column under a
+    ``SELECT *`` or ``RETURNING *``. Told by the routine, which is not translated."""
+    return (isinstance(exc, psycopg.errors.FeatureNotSupported)
+            and exc.diag.source_function == "RevalidateCachedQuery")
+
+
+class StoreCursor(psycopg.AsyncCursor[Any]):
+    """The cursor of every store connection: a statement prepared before a migration changed
+    its result (``agentrun migrate`` of a newer release, which the chart's operator runs at its
+    start, beside the workers and CLIs of the old one) is prepared anew and sent again. Every
+    worker, ``wait`` and ``logs -f`` died with a traceback at its next statement before.
+
+    Sent again only outside a transaction: the statement failed whole before it ran (the check is
+    the plan's revalidation), so it did nothing. Inside one, :class:`StalePlan` is raised and the
+    caller's retry (an outage's) sends it in a fresh transaction."""
+
+    async def execute(
+        self, query: Any, params: Any = None, *, prepare: bool | None = None,
+        binary: bool | None = None,
+    ) -> Self:
+        try:
+            return await super().execute(query, params, prepare=prepare, binary=binary)
+        except psycopg.errors.FeatureNotSupported as exc:
+            if not _stale_plan(exc):
+                raise
+            if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                raise StalePlan(f"the schema changed under a prepared statement: {exc}") from exc
+            # psycopg forgets its own prepared statements when it sees this command succeed.
+            await self.connection.execute("DEALLOCATE ALL")
+            return await super().execute(query, params, prepare=prepare, binary=binary)
+
+
 async def connect(
     url: str,
     *,
@@ -197,6 +237,7 @@ async def connect(
     a connection outside the pool). ``statement_timeout`` overrides the configured one."""
     opts = options or ConnectOptions.from_env()
     params = opts.libpq(url, statement_timeout=statement_timeout)
+    kwargs.setdefault("cursor_factory", StoreCursor)
     return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, **params, **kwargs)
 
 
@@ -770,6 +811,7 @@ class Store:
             max_size=max_size,
             kwargs={
                 "autocommit": True,
+                "cursor_factory": StoreCursor,
                 "prepare_threshold": prepare_threshold(),
                 "context": STORE_ADAPTERS,
                 **opts.libpq(url),
