@@ -309,6 +309,23 @@ async def test_the_store_refuses_a_pool_no_notification_can_carry(store: Store) 
     assert await store.list_runs() == []
 
 
+async def test_an_idempotency_key_for_several_agentruns_creates_none(
+    database_url: str, tmp_path: Path, store: Store
+) -> None:
+    """Found by a review: the key named the first run, so the second AgentRun was "created" as
+    the first one's run (its id printed under the second name, exit 0) and never made."""
+    two = ("metadata: {name: first-run}\nspec: {agent: {model: m}, task: t}\n---\n"
+           "apiVersion: agentrun.dev/v1alpha1\nkind: AgentRun\n"
+           "metadata: {name: second-run}\nspec: {agent: {model: m}, task: t}")
+    refused("submit", "-f", manifest(tmp_path, two), "--idempotency-key", "nightly-1",
+            url=database_url, says="--idempotency-key: the manifest has 2 AgentRuns")
+    assert await store.list_runs() == []
+
+
+def test_a_manifest_too_large_is_refused_before_it_fills_the_memory(database_url: str) -> None:
+    refused("submit", "-f", "/dev/zero", url=database_url, says="/dev/zero: larger than 16 MiB")
+
+
 def test_an_idempotency_key_too_long_to_index(database_url: str, tmp_path: Path) -> None:
     path = manifest(tmp_path, "metadata: {name: x}\nspec: {agent: {model: m}, task: t}")
     refused("submit", "-f", path, "--idempotency-key", "k" * 9000, url=database_url,

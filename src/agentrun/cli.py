@@ -62,7 +62,7 @@ from agentrun.errors import (
     DatabaseUnavailable,
 )
 from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
-from agentrun.manifests import load_manifests
+from agentrun.manifests import load_manifests, one_run_per_key
 from agentrun.migrations import migrate, schema_version
 from agentrun.pricing import load_prices
 from agentrun.schema import ensure_schema, open_store
@@ -789,6 +789,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise ConfigError("--timeout: only with --wait (how long to wait for the runs to end)")
     resolved = load_manifests(args.filename)
+    one_run_per_key(resolved, args.idempotency_key, "--idempotency-key")
     async with await _open_store() as store:
         created: list[tuple[str, Run]] = []
         for r in resolved:

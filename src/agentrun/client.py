@@ -49,6 +49,7 @@ from agentrun.manifests import (
     ResolvedRun,
     load_manifest_texts,
     load_manifests,
+    one_run_per_key,
 )
 from agentrun.schema import open_store
 from agentrun.store import (
@@ -193,11 +194,7 @@ class AsyncClient:
             resolved = load_manifest_texts([("manifest text", manifest)])
         else:
             resolved = load_manifests([str(manifest)])
-        if idempotency_key is not None and len(resolved) > 1:
-            raise ConfigError(
-                f"idempotency_key: the manifest has {len(resolved)} AgentRuns and a key names "
-                "one run; submit them one at a time"
-            )
+        one_run_per_key(resolved, idempotency_key, "idempotency_key")
         return [await self._create(r, idempotency_key) for r in resolved]
 
     async def _create(self, r: ResolvedRun, idempotency_key: str | None) -> Run:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -466,12 +465,23 @@ def resolve(run: AgentRunManifest, agents: dict[str, AgentSpec]) -> ResolvedRun:
     )
 
 
+#: The most a manifest file may hold: far more than any Agent and AgentRun documents (the API
+#: server takes objects up to about 1.5 MB), and read no further, so `-f /dev/zero` or a log file
+#: given by mistake is refused instead of filling the memory.
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+
+
 def load_manifests(paths: list[str]) -> list[ResolvedRun]:
     """Read Agent and AgentRun documents from YAML files; resolve each AgentRun's agent."""
     texts: list[tuple[str, str]] = []
     for path in paths:
         try:
-            texts.append((path, Path(path).read_text(encoding="utf-8")))
+            with open(path, "rb") as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ConfigError(f"{path}: larger than {MAX_MANIFEST_BYTES // 2**20} MiB; a "
+                                  "manifest holds Agent and AgentRun documents")
+            texts.append((path, raw.decode("utf-8")))
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -481,6 +491,14 @@ def load_manifests(paths: list[str]) -> list[ResolvedRun]:
                 "save it as UTF-8"
             ) from None
     return load_manifest_texts(texts)
+
+
+def one_run_per_key(resolved: list[ResolvedRun], key: str | None, field: str) -> None:
+    """Refuse an idempotency key (``field``) for a manifest of several AgentRuns: a key names one
+    run, so every AgentRun after the first was "created" as the first one's run and never made."""
+    if key is not None and len(resolved) > 1:
+        raise ConfigError(f"{field}: the manifest has {len(resolved)} AgentRuns and a key names "
+                          "one run; submit them one at a time")
 
 
 def load_manifest_texts(texts: list[tuple[str, str]]) -> list[ResolvedRun]:
