@@ -38,6 +38,15 @@ def test_runs_limit_out_of_range(database_url: str, limit: str) -> None:
     refused("runs", "--limit", limit, url=database_url, says=f"--limit {limit}: must be between")
 
 
+# Found by a review: nan and inf were a traceback (ValueError, OverflowError), 1e7 a refusal
+# at connect time said as an outage (exit 3) with the parameter's name masked.
+@pytest.mark.parametrize("env", ["AGENTRUN_DB_STATEMENT_TIMEOUT", "AGENTRUN_DB_TCP_TIMEOUT"])
+@pytest.mark.parametrize("value", ["nan", "inf", "1e7", "-1"])
+def test_a_database_timeout_out_of_range(database_url: str, env: str, value: str) -> None:
+    refused("runs", url=database_url, env={env: value},
+            says=f"{env}={float(value):g}: must be from 0 to 86400 seconds")
+
+
 WORKER_CASES = [
     (["--concurrency", "-3"], "--concurrency -3 (AGENTRUN_CONCURRENCY): must be at least 1"),
     (["--concurrency", "0"], "--concurrency 0 (AGENTRUN_CONCURRENCY): must be at least 1"),

@@ -125,6 +125,8 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
 #: The environment variables of :class:`ConnectOptions` (docs/worker.md, "Database connections").
 TCP_TIMEOUT_ENV = "AGENTRUN_DB_TCP_TIMEOUT"
 STATEMENT_TIMEOUT_ENV = "AGENTRUN_DB_STATEMENT_TIMEOUT"
+#: The longest either may be, in seconds.
+MAX_DB_TIMEOUT = 86400.0
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,12 @@ class ConnectOptions:
         )
         for env, value in ((TCP_TIMEOUT_ENV, opts.tcp_timeout),
                            (STATEMENT_TIMEOUT_ENV, opts.statement_timeout)):
-            if value < 0:
-                raise ConfigError(f"{env}={value:g}: must be >= 0 seconds (0 turns it off)")
+            # A day at most: libpq and the kernel take these in int milliseconds and 16-bit
+            # seconds (TCP_KEEPIDLE); nan, inf or 1e7 was a traceback, or a refusal at connect
+            # time that read like an outage.
+            if not 0 <= value <= MAX_DB_TIMEOUT:
+                raise ConfigError(f"{env}={value:g}: must be from 0 to {MAX_DB_TIMEOUT:g} "
+                                  "seconds (0 turns it off)")
         return opts
 
     def libpq(self, url: str, *, statement_timeout: float | None = None) -> dict[str, Any]:
