@@ -128,6 +128,44 @@ async def test_a_run_whose_connection_dies_silently_is_let_go_and_resumed(
     assert "no progress for" in stalled[0]["msg"] and "since its last commit" in stalled[0]["msg"]
 
 
+async def test_a_full_worker_cut_off_from_the_database_fails_healthz_and_stops_its_model_call(
+    store: Store, workers: Workers, fake: FakeFactory, proxy: TcpProxy, database_url: str
+) -> None:
+    """Found by a review. A worker whose every slot is busy claims nothing, and its wait between
+    claims counted as progress: through a database outage /healthz said 200 for as long as its
+    runs were in their calls. And a model call went on streaming (and retrying) after the
+    lease had run out by the worker's own clock, while another worker could take the run and
+    pay for the same turn. Turn 0's first call here streams pings for ever; the lease TTL (20 s)
+    is far beyond the liveness threshold (3 s), so the worker holds the run, its renewals
+    failing, long after /healthz must have turned 503."""
+    srv = fake(echo_scenario(2, faults={0: [{"stream": "pings", "interval_ms": 200}]}))
+    workers.env["ANTHROPIC_BASE_URL"] = srv.base_url
+    w = workers.start("w", lease_ttl=20, health=True,
+                      extra=["--concurrency", "1", "--liveness-threshold", "3"],
+                      env={"AGENTRUN_DATABASE_URL": via(proxy, database_url)})
+    run, _ = await store.create_run("echo", AGENT)
+    await wait_for(lambda: bool(srv.requests()), 30, "turn 0's model call")
+    with Poller(w.health_port) as health:
+        # Healthy while it reaches the database: renewed (the heartbeat runs at a third of the
+        # threshold, not of the TTL) for longer than the threshold, never a 503.
+        renewals: set[object] = set()
+        deadline = time.monotonic() + 60
+        while len(renewals) <= 4:
+            assert time.monotonic() < deadline, "the heartbeat renewed the lease too rarely"
+            renewals.add((await store.get_run(run.id)).lease_until)
+            await asyncio.sleep(0.2)
+        assert health.seen and 503 not in health.seen, health.seen
+        proxy.cut()
+        await wait_for(lambda: 503 in health.seen, 60, "/healthz to fail")
+        assert "dropping the run" not in w.output(), "503 only once the run was let go"
+        await wait_for(lambda: srv.requests()[0]["disconnected"], 60, "the model call stopped")
+    assert "stopped the model call" in w.output(), w.output()[-3000:]
+    proxy.restore()
+    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    assert done.status == "succeeded", done.error
+    assert [r.get("fault") for r in srv.requests()][:2] == ["stream pings", None]
+
+
 async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(
     store: Store, database_url: str
 ) -> None:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 
@@ -170,6 +170,23 @@ class _MidStream:
         self.landed = True
         if self.early:
             crash_point("mid_model_stream", self.seq)
+
+
+T = TypeVar("T")
+
+
+async def _within_lease(h: RunHandle, call: asyncio.Future[T], what: str) -> T:
+    """``call``'s result, unless the run's lease runs out by this worker's clock first (the
+    heartbeat cannot reach the database): LeaseLost, and the caller cancels the call. A model
+    call streamed on after it, paid for twice once another worker had taken the run, and its
+    retries could go on for the whole retry bound (hours)."""
+    while True:
+        done, _ = await asyncio.wait({call}, timeout=max(h.lease_expires - time.monotonic(), 0.0))
+        if done:
+            return call.result()
+        lost = h.lease_lost()
+        if lost is not None:
+            raise LeaseLost(h.run_id, f"{lost}; stopped the {what}")
 
 
 async def _settle(call: asyncio.Future[Any]) -> None:
@@ -446,7 +463,7 @@ class RunExecutor:
                     if self.is_draining() or h.rollback_requested:
                         continue  # at the commit boundary, as without overlap (finally cancels)
                 h.in_model_call = True  # from here a drain aborts the call at once
-                turn = await call
+                turn = await _within_lease(h, call, "model call")
             finally:
                 h.in_model_call = False
                 h.progress.end()

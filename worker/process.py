@@ -550,7 +550,6 @@ class Worker:
             if free > 0:
                 self._heard_while_claiming = {}
                 try:
-                    sent = time.monotonic()  # the leases run from no earlier than this
                     result = await self.store.claim(s.pool, s.worker_id, free)
                     # Another worker's lease that runs out is no notification: wake for it, so a
                     # dead worker's run resumes within moments of its TTL (the claim said when,
@@ -571,7 +570,7 @@ class Worker:
                 else:
                     self.metrics.dead_letters.inc(len(result.dead_lettered))
                     for run, lease in result.claimed:
-                        self._start_run(RunHandle(run, lease, last_renewed=sent,
+                        self._start_run(RunHandle(run, lease, last_renewed=result.sent,
                                                   lease_ttl=s.lease_ttl))
                     # A cancel that came while the claim's answer was on its way was heard of a
                     # run not held yet: acted on now, not at the next heartbeat (seconds later,
@@ -590,11 +589,16 @@ class Worker:
                     self._heard_while_claiming = None
             if self.draining:
                 break
-            if resting:
+            if resting and len(self.active) < s.concurrency:
                 # Counted as progress while it lasts. Not a backoff: stamped after each failed
                 # claim, it kept /healthz at 200 through a whole outage (a claim fails within the
                 # pool's 30 s, under the 60 s threshold), the seed's nine-hour incident.
                 self.health.resting_until(time.monotonic() + wait)
+            else:
+                # Nor the wait of a full worker, which claims nothing: its runs' renewals and
+                # commits say whether it reaches the database. Its rest, stamped when it took
+                # its last run, kept /healthz at 200 through an outage (found by a review).
+                self.health.resting_until(0.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
 
@@ -703,8 +707,10 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         """Every third of the TTL, renew the held runs that need it in one statement (see
-        :meth:`_beat`); a second later after a failed renewal. Runs until cancelled."""
-        interval = self.settings.lease_ttl / 3
+        :meth:`_beat`); a second later after a failed renewal. Runs until cancelled. A third of
+        the liveness threshold if that is shorter: a full worker claims nothing, so its
+        renewals are what shows /healthz that it reaches the database."""
+        interval = min(self.settings.lease_ttl, self.settings.liveness_threshold) / 3
         while True:
             delay = interval if await self._beat(interval) else 1.0
             await asyncio.sleep(delay)

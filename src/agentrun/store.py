@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
@@ -658,6 +659,10 @@ class ClaimResult:
     #: ran out and another claim holds it right now), None if no other worker holds a run: the
     #: claim found out in the same statement, so an idle worker's empty claim is one query.
     next_expiry: float | None = None
+    #: When the claim statement was sent (time.monotonic()), once it had a connection: the
+    #: leases run from no earlier than this. Taken before the wait for a pooled connection, it
+    #: was up to the pool's 30 s early after an outage, and the new lease looked expired at once.
+    sent: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -971,14 +976,15 @@ class Store:
         """Claim up to ``limit`` of the oldest claimable runs of ``pool`` for ``worker``, within
         the namespaces' quotas."""
         params = {"pool": pool, "worker": worker, "limit": limit, "ttl": self.lease_ttl}
-        rows, next_expiry = await self._claim_rows(params)
+        rows, next_expiry, sent = await self._claim_rows(params)
         claimed = [(r, Lease(r.id, worker, r.lease_epoch)) for r in rows if r.status == "running"]
         dead = [r for r in rows if r.status == "dead_letter"]
         for r in dead:
             log.warning(
                 "run %s dead-lettered after %d claims", r.id, r.attempt, extra={"run_id": str(r.id)}
             )
-        return ClaimResult(claimed=claimed, dead_lettered=dead, next_expiry=next_expiry)
+        return ClaimResult(claimed=claimed, dead_lettered=dead, next_expiry=next_expiry,
+                           sent=sent)
 
     # -- tools served ---------------------------------------------------------------------------
 
@@ -1035,8 +1041,9 @@ class Store:
 
     async def _claim_rows(
         self, params: dict[str, Any], tries: int = 3
-    ) -> tuple[list[Run], float | None]:
-        """The claim statement's runs and its next foreign lease expiry. A claim locks quota rows
+    ) -> tuple[list[Run], float | None, float]:
+        """The claim statement's runs, its next foreign lease expiry and when it was sent
+        (:attr:`ClaimResult.sent`). A claim locks quota rows
         in namespace order; a statement that ends runs of several namespaces at once takes theirs
         in row order. PostgreSQL breaks such a cycle by failing one side: nothing was claimed, so
         claiming again is safe."""
@@ -1044,6 +1051,7 @@ class Store:
             try:
                 async with self.pool.connection() as conn:
                     cur = conn.cursor(row_factory=_claim_row)
+                    sent = time.monotonic()
                     await cur.execute(queries["claim_runs"], params)
                     rows = await cur.fetchall()
                     break
@@ -1054,7 +1062,7 @@ class Store:
             raise AssertionError("tries must be at least 1")
         # Every row carries the expiry; a lone row without a run says only that.
         next_expiry = rows[0][1] if rows else None
-        return [run for run, _ in rows if run is not None], next_expiry
+        return [run for run, _ in rows if run is not None], next_expiry, sent
 
     async def pin_prompt_version(self, lease: Lease, pv: PromptVersion) -> str:
         """Pin ``pv`` on the run unless a prompt version is pinned already; return the pinned id
