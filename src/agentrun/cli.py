@@ -536,7 +536,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
     def show(steps: Sequence[Any]) -> None:
         for s in steps:
             if args.output == "json":  # JSON Lines: one step an object a line, as it commits
-                print(json.dumps(step_to_json(s), ensure_ascii=False))
+                print(json.dumps(step_to_json(s)))  # ASCII, as every -o json: valid in any encoding
             else:
                 print(step_line(s, wide=args.output == "wide"))
         sys.stdout.flush()
