@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
 
 import psycopg
+import pytest
 
 from agentrun.migrations import latest_version
+from agentrun.store import Store
 from tests.conftest import run_cli
+from tests.workerkit import AGENT
 
 
 def _procs_env(url: str) -> dict[str, str]:
@@ -123,3 +127,23 @@ def test_a_bad_numeric_environment_setting_is_one_line_and_exit_2() -> None:
     res = run_cli("runs", env={"AGENTRUN_LEASE_TTL": "fifteen"})
     assert res.returncode == 2
     assert res.stderr.strip() == "agentrun: error: AGENTRUN_LEASE_TTL='fifteen' is not a number"
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii", "latin-1"])
+async def test_every_json_output_is_valid_json_in_any_terminal_encoding(
+    store: Store, database_url: str, encoding: str
+) -> None:
+    """Found by a review: `logs -o json` wrote its text unescaped, and a terminal encoding that
+    cannot show an emoji turned it into a Python escape (\\U0001f600), which no JSON reader
+    takes. Every -o json reads back as what was stored, whatever the encoding."""
+    text = "smile \U0001f600, NUL \x00, lone \ud800, RTL \u202e, é"
+    run, _ = await store.create_run(text, AGENT)
+    ((_, lease),) = (await store.claim("default", "w1", 1)).claimed
+    turn = {"content": [{"type": "text", "text": text}], "stop_reason": "end_turn"}
+    await store.append_step(lease, 0, "model_turn", turn)
+    env = {"AGENTRUN_DATABASE_URL": database_url, "PYTHONIOENCODING": encoding}
+    lines = run_cli("logs", str(run.id), "-o", "json", env=env).stdout.splitlines()
+    assert [json.loads(line)["payload"]["content"][0]["text"] for line in lines] == [text]
+    (step,) = json.loads(run_cli("steps", str(run.id), "-o", "json", env=env).stdout)
+    assert step["payload"]["content"][0]["text"] == text
+    assert json.loads(run_cli("get", str(run.id), "-o", "json", env=env).stdout)["task"] == text
