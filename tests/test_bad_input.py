@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from agentrun.errors import ConfigError
 from agentrun.manifests import AgentSpec
@@ -45,6 +46,19 @@ def test_runs_limit_out_of_range(database_url: str, limit: str) -> None:
 def test_a_database_timeout_out_of_range(database_url: str, env: str, value: str) -> None:
     refused("runs", url=database_url, env={env: value},
             says=f"{env}={float(value):g}: must be from 0 to 86400 seconds")
+
+
+# Found by a review: said as an outage, exit 3 (a worker would wait for it for ever).
+@pytest.mark.parametrize(("setting", "says"), [
+    ({"sslmode": "bogus"}, 'invalid sslmode value: "bogus"'),
+    ({"options": "-c statement_timeout=abc"}, 'invalid value for parameter "statement_timeout"'),
+    ({"options": "-c no_such_setting=1"}, 'unrecognized configuration parameter "no_such_setting"'),
+])
+def test_a_connection_setting_postgres_refuses_is_exit_2(
+    database_url: str, setting: dict[str, str], says: str
+) -> None:
+    line = refused("runs", url=make_conninfo(database_url, **setting), says=says)
+    assert "refused a connection setting" in line and "check the parameters" in line
 
 
 WORKER_CASES = [

@@ -187,6 +187,20 @@ _LOGIN_REFUSED = re.compile(
 )
 
 
+#: What libpq or the server says of a connection setting it refuses (the URL's sslmode,
+#: target_session_attrs, options=-c ...): a configuration error (exit 2), not an outage.
+_SETTING_REFUSED = re.compile(
+    r"invalid \w+ value: |invalid value for parameter|unrecognized configuration parameter|"
+    r"server does not support SSL, but SSL was required|invalid connection option"
+)
+
+
+def setting_refused(message: str) -> bool:
+    """Whether a connection failure is a setting of the URL that libpq or the server refuses
+    (exit 2, like a refused login) rather than the server being unreachable."""
+    return bool(_SETTING_REFUSED.search(message))
+
+
 def login_refused(message: str) -> bool:
     """Whether a connection failure is the server refusing this URL's user, password or
     database (a configuration error, exit 2) rather than the server being unreachable."""

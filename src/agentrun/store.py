@@ -53,7 +53,14 @@ from psycopg.types.string import (
 )
 from psycopg_pool import AsyncConnectionPool
 
-from agentrun.config import DATABASE_URL_ENV, env_float, login_refused, redact_message, redact_url
+from agentrun.config import (
+    DATABASE_URL_ENV,
+    env_float,
+    login_refused,
+    redact_message,
+    redact_url,
+    setting_refused,
+)
 from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -747,6 +754,11 @@ async def check_connect(
             raise ConfigError(
                 f"PostgreSQL at {redact_url(url)} refused the login: {said}; check the user, "
                 f"password and database in {DATABASE_URL_ENV}"
+            ) from None
+        if setting_refused(reason):
+            raise ConfigError(
+                f"PostgreSQL at {redact_url(url)} refused a connection setting: {said}; check "
+                f"the parameters in {DATABASE_URL_ENV}"
             ) from None
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {redact_url(url)}: {said}"
