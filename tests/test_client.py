@@ -163,6 +163,19 @@ async def test_bad_input_is_one_config_error_naming_the_field(client: AsyncClien
                  client.cancel(missing)):
         with pytest.raises(RunNotFound, match=str(missing)):
             await call
+    # Found by a review: a psycopg error, an AttributeError, or no refusal at all.
+    with pytest.raises(ConfigError, match=r"limit=10{20}: must be a number from 1 to 100000"):
+        await client.list(limit=10**20)
+    with pytest.raises(ConfigError, match=r"a run id is a UUID or its text \(run.id\), not Run"):
+        await client.get(await client.submit("x", AGENT, pool="nobody"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"not int"):
+        await client.get(12345)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"seq must be a step number from 0 to 1000000000.*True"):
+        await client.approve(missing, True)
+    with pytest.raises(ConfigError, match=r"seq must be a step number.*1.5"):
+        await client.approve(missing, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"timeout=nan: must be >= 0"):
+        await client.wait(missing, timeout=float("nan"))
 
 
 async def test_wait_on_a_failing_run_returns_it_or_raises_per_until(

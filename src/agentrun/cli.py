@@ -71,6 +71,7 @@ from agentrun.store import (
     CHANNEL_RUN_STEPS,
     DB_ERRORS,
     FOLLOWER_LEASE,
+    MAX_LIST,
     ManifestName,
     Run,
     Store,
@@ -114,10 +115,6 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 async def _open_store() -> Store:
     url, embedded = database_url(quiet=True)
     return await open_store(url, embedded=embedded, max_size=2)
-
-
-#: The most runs ``agentrun runs`` lists at once.
-MAX_LIST = 100_000
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ from agentrun.schema import open_store
 from agentrun.store import (
     CHANNEL_RUN_CHANGED,
     DB_ERRORS,
+    MAX_LIST,
     ManifestName,
     Run,
     Step,
@@ -241,7 +242,7 @@ class AsyncClient:
         """
         if until not in get_args(WaitFor):
             raise ConfigError(f"until={until!r}: expected one of {', '.join(get_args(WaitFor))}")
-        if timeout is not None and timeout < 0:
+        if timeout is not None and not timeout >= 0:  # nan too: it timed out at once
             raise ConfigError(f"timeout={timeout:g}: must be >= 0 seconds (None: no limit)")
         seen = [await self.store.get_run(run_id)]  # RunNotFound before any waiting
         try:
@@ -374,8 +375,8 @@ class AsyncClient:
             raise ConfigError(
                 f"status={status!r}: expected one of {', '.join(RUN_STATUSES)}"
             )
-        if limit < 1:
-            raise ConfigError(f"limit={limit}: must be at least 1")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST:
+            raise ConfigError(f"limit={limit!r}: must be a number from 1 to {MAX_LIST}")
         return await self.store.list_runs(pool=pool, status=status, limit=limit)
 
 

@@ -111,6 +111,9 @@ FOLLOWER_LEASE = 60.0
 #: about 2,700 the unique index refuses it, as a database error (1,024 characters of emoji were).
 MAX_EXTERNAL_KEY = 1024
 
+#: The most runs one listing returns (agentrun runs --limit, Client.list(limit=)).
+MAX_LIST = 100_000
+
 #: Default lease TTL in seconds (the store's, the worker's --lease-ttl). Short, so a dead
 #: worker's run waits at most this long; workers renew with every commit and from a heartbeat at
 #: a third of the TTL. 15 s: a SIGKILLed worker's runs resume 15 s later, while a GC pause, a slow
@@ -732,6 +735,8 @@ RETRYABLE_STATUSES: frozenset[str] = frozenset({"failed", "dead_letter"})
 def parse_run_id(value: str | UUID) -> UUID:
     if isinstance(value, UUID):
         return value
+    if not isinstance(value, str):  # a Run, a number: an AttributeError from deep in uuid
+        raise ConfigError(f"a run id is a UUID or its text (run.id), not {type(value).__name__}")
     try:
         return UUID(value)
     except ValueError:

@@ -63,7 +63,13 @@ class WaitRef:
         one refused naming ``what``)."""
         if isinstance(value, WaitRef):
             return value
-        return cls.parse(value, what) if isinstance(value, str) else cls(value)
+        if isinstance(value, str):
+            return cls.parse(value, what)
+        # bool is an int: approve(run, True) reached the database as a step number.
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+            raise ConfigError(f"{what} must be a step number from 0 to {MAX_SEQ}, the wait's "
+                              f"text (<seq>.<call>) or a WaitRef, not {value!r}")
+        return cls(value)
 
     @classmethod
     def of(cls, pending: dict[str, Any]) -> WaitRef:
