@@ -122,7 +122,11 @@ CLI_CASES: list[tuple[list[str], dict[str, str], int, str]] = [
      {"AGENTRUN_FOLLOW_RESYNC": "1e-9"}, 2, "AGENTRUN_FOLLOW_RESYNC=1e-09: must be more than"),
     (["approve", "my-run", "3", "--kubeconfig", "KUBECONFIG", "--timeout", "inf"], {}, 2,
      "--timeout inf: must be more than 0 and at most 604800 seconds"),
-    (["approve", "my-run", "3", "--kubeconfig", BINARY], {}, 2, "kubeconfig: 'utf-8' codec"),
+    (["approve", "my-run", "3", "--kubeconfig", BINARY], {}, 2, "binary.yaml: 'utf-8' codec"),
+    # Found by a review: a KUBECONFIG that is not YAML was "no Kubernetes credentials: set
+    # KUBECONFIG", with KUBECONFIG set.
+    (["approve", "my-run", "3", "--kube"], {"KUBECONFIG": BINARY}, 2,
+     "binary.yaml: 'utf-8' codec"),
     (["approve", "my-run", "3", "--kubeconfig", "KUBECONFIG"], {}, 3,
      "cannot reach the Kubernetes API server http://127.0.0.1:1 ("),
     # Found on 2026-12-06: accepted, or refused as "cannot be reached" (exit 3).
@@ -149,7 +153,9 @@ def test_bad_values_are_one_line_and_the_right_exit_code(
         "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"
         "users: [{name: u, user: {token: not-to-be-printed}}]\n"
         "contexts: [{name: x, context: {cluster: c, user: u}}]\n")
-    args = [{BINARY: str(binary), "KUBECONFIG": str(kubeconfig)}.get(a, a) for a in args]
+    placed = {BINARY: str(binary), "KUBECONFIG": str(kubeconfig)}
+    args = [placed.get(a, a) for a in args]
+    env = {k: placed.get(v, v) for k, v in env.items()}
     proc = run_cli(*args, env={"AGENTRUN_DATABASE_URL": database_url, **env}, timeout=60)
     assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr and "not-to-be-printed" not in proc.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,8 +162,14 @@ class KubeApprovals:
             kubernetes.config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=kubeconfig, context=context, client_configuration=config)
         except KUBECONFIG_ERRORS as exc:
-            if kubeconfig or context:
-                raise ConfigError(f"kubeconfig: {' '.join(str(exc).split())}") from None
+            env = os.environ.get("KUBECONFIG", "")
+            named = kubeconfig or (env if env and os.path.exists(env) else None)
+            if named or context:
+                # A KUBECONFIG that is there but unusable (not YAML, no such context) is said
+                # as it is, not as "set KUBECONFIG" (found by a review); one that names no file
+                # leaves the in-cluster credentials to try, as before.
+                where = f"kubeconfig {named}" if named else "kubeconfig"
+                raise ConfigError(f"{where}: {' '.join(str(exc).split())}") from None
             try:
                 kubernetes.config.load_incluster_config(  # type: ignore[no-untyped-call]
                     client_configuration=config)
