@@ -11,15 +11,18 @@ only while there is work: an idle pool still scales to ``minReplicas`` (zero by 
 is what a warm pool is for. docs/operator.md has the trade-off.
 
 Up at once (a new pending run must reach a pool scaled to zero within seconds, not a polling
-interval); down only after the lower demand has lasted ``scale_down_delay`` (so a burst that
-finishes does not thrash the Deployment, and a pod holding leases is not removed while another
-run is about to arrive). The operator feeds it the store's per-pool depth (from NOTIFY and its
-resync) and patches the Deployment's scale subresource when the answer changes.
+interval); down to the highest demand of the last ``scale_down_delay`` seconds, as the
+HorizontalPodAutoscaler's scale-down stabilization window does: a burst that finishes does not
+thrash the Deployment, and runs that came within the window keep the pods they need. (A new run
+once restarted the whole delay: a run every few minutes then kept a burst's pods for ever.) The
+operator feeds it the store's per-pool depth (from NOTIFY and its resync) and patches the
+Deployment's scale subresource when the answer changes.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from agentrun.store import PoolDepth
@@ -60,9 +63,9 @@ class Decision:
 @dataclass
 class Scaler:
     settings: PoolScaling
-    _lower_since: float | None = field(default=None, init=False)
-    #: The live runs when the lower demand was last seen: more since is a new run.
-    _lower_live: int = field(default=0, init=False)
+    #: (when, replicas wanted) at each change of demand within the delay, and the last one
+    #: before it, still in effect when the window began.
+    _seen: deque[tuple[float, int]] = field(default_factory=deque, init=False)
 
     def slots(self, depth: PoolDepth | None) -> int:
         """Run slots the pool should have: its live runs, plus the spare ones while any. A run
@@ -88,25 +91,26 @@ class Scaler:
         Deployment installed without replicas) is corrected at once."""
         wanted = self.demand(depth)
         need = self._need(depth)
+        delay = self.settings.scale_down_delay
+        seen = self._seen
+        if not seen or seen[-1][1] != wanted:  # changes only: a decision per notification
+            seen.append((now, wanted))
+        while len(seen) > 1 and seen[1][0] <= now - delay:
+            seen.popleft()  # the second is in effect from the window's start on
         if pristine and wanted != current:
-            self._lower_since = None
             return Decision(wanted, f"first decision: {need} need {wanted} (the "
                                     f"Deployment still has the {current} it was created with)")
         if wanted >= current:
-            self._lower_since = None
             if wanted > current:
                 return Decision(wanted, f"scale up: {need} need {wanted}")
             return Decision(current, "steady")
-        live = depth.live if depth else 0
-        # A new run restarts the clock even when demand stays below the current count: it is
-        # claimed by one of the pods the scale-down would remove (5 pods, idle for 295 s of 300,
-        # then 8 new runs: 2 pods would do, and 6 s later 3 pods went, draining fresh runs).
-        if self._lower_since is None or live > self._lower_live:
-            self._lower_since = now
-        self._lower_live = live
-        waited = now - self._lower_since
-        delay = self.settings.scale_down_delay
-        if waited < delay:
-            return Decision(current, f"hold: {wanted} would do for {waited:.0f}s of {delay:.0f}s")
-        self._lower_since = None
-        return Decision(wanted, f"scale down: {need} need {wanted}")
+        watched = now - seen[0][0]
+        if watched < delay:  # demand not seen for a whole window yet (the operator started)
+            return Decision(current, f"hold: {wanted} would do; demand seen for {watched:.0f}s "
+                                     f"of {delay:.0f}s")
+        peak = max(w for _, w in seen)
+        if peak >= current:
+            return Decision(current, f"hold: {wanted} would do; {peak} were needed within the "
+                                     f"last {delay:.0f}s")
+        return Decision(peak, f"scale down: {need} need {wanted}, at most {peak} within the "
+                              f"last {delay:.0f}s")

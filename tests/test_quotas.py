@@ -97,6 +97,21 @@ async def test_runs_held_back_by_a_quota_are_no_demand_for_workers(store: Store)
     assert (await store.pool_depth())["default"].live == 7
 
 
+async def test_a_namespaces_free_slot_is_demand_in_each_of_its_pools(store: Store) -> None:
+    """Found by a review of the test above's fix: ranked across pools, an older run of the
+    namespace in a pool nobody serves held back its runs in a healthy pool (demand 0, a pool at
+    minReplicas 0 never scaled up), though that pool's claim takes one at once."""
+    await store.set_quota("team", 1)
+    await store.create_run("t", AGENT, pool="gpu", name=ManifestName("team", "older"))
+    for i in range(5):
+        await store.create_run("t", AGENT, pool="cpu", name=ManifestName("team", f"r{i}"))
+    depths = await store.pool_depth()
+    assert depths == (await store.operator_probe()).depths
+    assert {p: (d.pending, d.held_back, d.live) for p, d in depths.items()} == {
+        "gpu": (1, 0, 1), "cpu": (5, 4, 1)}
+    assert len((await store.claim("cpu", "w1", 4)).claimed) == 1  # as its demand said
+
+
 async def test_the_count_follows_every_way_out_of_running(store: Store) -> None:
     await store.set_quota("ns", 10)
     await create(store, "ns", 5, max_attempts=1)

@@ -60,25 +60,43 @@ async def test_a_new_run_during_the_delay_cancels_the_scale_down(store: Store) -
     assert scaler.decide(None, 2, now=76).replicas == 0
 
 
-async def test_a_new_run_restarts_the_clock_when_demand_stays_below_the_count(
+async def test_down_to_the_highest_demand_of_the_last_delay_never_postponed_for_ever(
     store: Store,
 ) -> None:
-    """Found by an adversarial review: 5 pods idle for 295 s of a 300 s delay, then 8 new runs
-    (2 pods would do). The old clock went on, and 6 s later 3 pods were removed, each draining
-    the fresh runs it had just claimed."""
-    scaler = Scaler(PoolScaling(pool="gpu", deployment="w", runs_per_worker=4, max_replicas=10,
-                                scale_down_delay=300))
-    assert scaler.decide(None, 5, now=0).reason.startswith("hold")
-    for _ in range(8):
+    """As the HorizontalPodAutoscaler's stabilization window. Found by two reviews: with the
+    clock counted from the first lower reading, runs that came within the delay lost their pods
+    to the instant's demand once it was out; with a new run restarting the clock instead, a run
+    every 200 s kept a burst's 10 pods for ever (300 s delay)."""
+    def scaler() -> Scaler:
+        return Scaler(PoolScaling(pool="gpu", deployment="w", runs_per_worker=4, max_replicas=10,
+                                  scale_down_delay=300))
+
+    trickle = scaler()
+    assert trickle.decide(None, 10, now=0).reason == (
+        "hold: 0 would do; demand seen for 0s of 300s")
+    run, _ = await store.create_run("t", AGENT)
+    one = (await store.pool_depth())["gpu"]
+    for t in range(200, 36000, 200):  # a run every 200 s, done within 60 s
+        arrived, ended = trickle.decide(one, 10, now=t), trickle.decide(None, 10, now=t + 60)
+        if min(arrived.replicas, ended.replicas) < 10:
+            break
+    assert (t, arrived.replicas, ended.replicas) == (400, 1, 1)
+    assert ended.reason == "scale down: 0 live runs need 0, at most 1 within the last 300s"
+
+    # 8 runs (2 pods) come and go within the window: the pool keeps 2 until they are out of it.
+    burst = scaler()
+    assert burst.decide(None, 5, now=0).replicas == 5
+    for _ in range(7):
         await store.create_run("t", AGENT)
-    burst = (await store.pool_depth())["gpu"]
-    assert scaler.decide(burst, 5, now=295).reason == "hold: 2 would do for 0s of 300s"
-    assert scaler.decide(burst, 5, now=301).replicas == 5  # the clock started at the new runs
-    # Fewer live runs since (one ended) is not a new run: the clock runs on from 295.
-    await store.cancel((await store.list_runs(status="pending"))[0].id)
-    fewer = (await store.pool_depth())["gpu"]
-    assert scaler.decide(fewer, 5, now=594).reason == "hold: 2 would do for 299s of 300s"
-    assert scaler.decide(fewer, 5, now=596).replicas == 2
+    assert burst.decide((await store.pool_depth())["gpu"], 5, now=100).replicas == 5
+    assert burst.decide(None, 5, now=150).replicas == 5
+    down = burst.decide(None, 5, now=301)
+    assert (down.replicas, down.reason) == (
+        2, "scale down: 0 live runs need 0, at most 2 within the last 300s")
+    assert burst.decide(None, 2, now=449).reason == (
+        "hold: 0 would do; 2 were needed within the last 300s")
+    assert burst.decide(None, 2, now=451).replicas == 0
+    await store.cancel(run.id)
 
 
 def test_bad_pool_settings_name_the_field() -> None:

@@ -259,16 +259,15 @@ CREATE TABLE public.namespace_quota (
 );
 
 CREATE VIEW public.pool_held_back AS
- SELECT ranked.pool,
-    count(*) AS held_back
+ SELECT per_namespace.pool,
+    (sum(per_namespace.held))::bigint AS held_back
    FROM ( SELECT r.pool,
-            GREATEST((q.max_running - q.running), 0) AS free,
-            row_number() OVER (PARTITION BY r.k8s_namespace ORDER BY r.created_at, r.id) AS rank
+            GREATEST((count(*) - GREATEST((max(q.max_running) - max(q.running)), 0)), (0)::bigint) AS held
            FROM (public.agent_run r
              JOIN public.namespace_quota q ON ((q.namespace = r.k8s_namespace)))
-          WHERE (r.status = 'pending'::text)) ranked
-  WHERE (ranked.rank > ranked.free)
-  GROUP BY ranked.pool;
+          WHERE (r.status = 'pending'::text)
+          GROUP BY r.pool, r.k8s_namespace) per_namespace
+  GROUP BY per_namespace.pool;
 
 CREATE TABLE public.pool_toolset (
     pool text NOT NULL,
