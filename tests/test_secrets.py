@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrun.config import redact_message, redact_url
+from agentrun import logs
+from agentrun.config import redact_message, redact_url, secret_pieces
 from tests.conftest import run_cli
 
 PIECES = ("alpha", "bravo")
@@ -140,3 +141,18 @@ def test_a_message_keeps_libpq_words_and_the_host_but_not_the_password() -> None
     assert redact_message('missing "=" after "pw-bravo" in connection info string',
                           "host=h password=pw-alpha pw-bravo") == (
         'missing "=" after "***" in connection info string')
+
+
+def test_log_lines_keep_the_words_a_password_is_made_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: masked wherever it stood, a password that is a word garbled every log
+    line ("connected to ***ql://***:***@db", "released for another ***") and showed which word
+    it was. Masked where libpq shows such pieces, quoted; bare only a compound piece."""
+    monkeypatch.setattr(logs, "_hidden", ())
+    logs.hide_in_logs(secret_pieces("postgresql://worker:worker@db/agentrun"))
+    assert logs.unsecret("released for another worker") == "released for another worker"
+    assert logs.unsecret('password authentication failed for "worker"') == (
+        'password authentication failed for "***"')
+    monkeypatch.setattr(logs, "_hidden", ())
+    logs.hide_in_logs(secret_pieces(AT_IN_PASSWORD))
+    assert logs.unsecret("failed to resolve host pw-bravo@127.0.0.1: gone") == (
+        "failed to resolve host ***: gone")

@@ -19,11 +19,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import UUID
 
 import anthropic
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from agentrun.manifests import AgentSpec
 from agentrun.store import ConnectOptions, Store, connect
 from agentrun.tools import ToolRegistry
 from agentrun.worker.executor import RunHandle
@@ -161,9 +163,48 @@ async def test_a_full_worker_cut_off_from_the_database_fails_healthz_and_stops_i
         await wait_for(lambda: srv.requests()[0]["disconnected"], 60, "the model call stopped")
     assert "stopped the model call" in w.output(), w.output()[-3000:]
     proxy.restore()
-    done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    try:
+        done = await wait_run(store, run.id, lambda r: r.finished, 60)
+    except AssertionError:
+        print(w.output()[-5000:])
+        raise
     assert done.status == "succeeded", done.error
     assert [r.get("fault") for r in srv.requests()][:2] == ["stream pings", None]
+
+
+async def test_a_run_let_go_by_the_workers_clock_is_claimable_at_once(
+    store: Store, fake: FakeFactory
+) -> None:
+    """Found by a review: a worker paused past its lease woke with a renewal in flight; its
+    model call stopped (the lease had run out by its clock) and the run was dropped, while the
+    renewal then extended the lease in the database, for a run no task held. Nobody took it for
+    the whole lease, and the worker, alone in its pool, for its idle interval (60 s). Here the
+    database's lease is 60 s and the worker's clock says 2: dropped, the lease ends at once."""
+    srv = fake(echo_scenario(2, faults={0: [{"stream": "pings", "interval_ms": 200}]}))
+    client = anthropic.AsyncAnthropic(base_url=srv.base_url, api_key="test")
+    # The database's leases last 60 s (the claim's and every commit's), the worker's clock 2 s.
+    worker = Worker(store.with_lease_ttl(60), client, ToolRegistry(),
+                    WorkerSettings(lease_ttl=2, health_port=None, worker_id="w"))
+    # No tools: the call never returns, and this worker's registry has none.
+    run, _ = await store.create_run("echo", AgentSpec(model="claude-sonnet-4-5"))
+    ((_, lease),) = (await store.with_lease_ttl(60).claim("default", "w", 1)).claimed
+    h = RunHandle(run, lease, lease_ttl=2)
+    worker._start_run(h)
+    try:
+        assert h.task is not None
+        await asyncio.wait({h.task}, timeout=30)
+        assert h.task.done(), "the model call went on past the worker's lease"
+        taken: list[UUID] = []
+        deadline = time.monotonic() + 20  # far below the 60 s lease it waited out before
+        while not taken:
+            assert time.monotonic() < deadline, "the lease was not ended"
+            taken = [r.id for r, _ in (await store.claim("default", "w2", 1)).claimed]
+            await asyncio.sleep(0.1)
+        assert taken == [run.id]
+    finally:
+        if h.task is not None and not h.task.done():
+            h.task.cancel()
+        await client.close()
 
 
 async def test_a_run_whose_task_is_wedged_or_gone_is_no_longer_renewed(

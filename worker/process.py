@@ -257,6 +257,8 @@ class Worker:
         #: run the claim takes may be cancelled before its answer is back); None otherwise.
         self._heard_while_claiming: dict[UUID, dict[str, object]] | None = None
         self._heart: asyncio.Task[None] | None = None
+        #: _end_lease's tasks, kept until done (the loop holds tasks only weakly).
+        self._ending: set[asyncio.Task[None]] = set()
         self._draining = asyncio.Event()
         self.health_port: int | None = None
         self.control_port: int | None = None
@@ -638,6 +640,7 @@ class Worker:
         except LeaseLost as exc:
             self.metrics.lease_losses.inc()
             log.warning("%s; dropping the run", exc)
+            self._end_lease(h)
         except WaitForApproval as wait:
             log.warning("waiting for a human: %s", wait.reason)
             await self._quietly(self.store.wait_for_approval(h.lease, wait.reason,
@@ -674,6 +677,25 @@ class Worker:
         else:
             self.metrics.lease_losses.inc()
             log.warning("lease lost; in-flight work aborted")
+
+    def _end_lease(self, h: RunHandle) -> None:
+        """A run let go for a lease lost, maybe by this worker's clock alone: its lease, if the
+        database still has it ours, ends now (queries.sql expire_lease), and the claim loop is
+        woken to take it again. Beside the run's task, which ends at once: awaited there, it
+        held the run's slot for as long as the database did not answer."""
+
+        async def end() -> None:
+            try:
+                async with asyncio.timeout(self.settings.lease_ttl):
+                    if await self._quietly(self.store.expire_lease(h.lease)):
+                        self._wake.set()
+            except TimeoutError:
+                log.warning("could not end the lease in time; it runs out by itself")
+
+        task = watch(asyncio.create_task(end(), name=f"lease-end-{h.run.id}"),
+                     lambda exc: log.warning("could not end the lease: %s", describe(exc)))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def _release(self, h: RunHandle) -> None:
         if await self._quietly(self.store.release(h.lease)):

@@ -66,15 +66,20 @@ def hide_in_logs(pieces: frozenset[str]) -> None:
     _hidden = tuple(sorted(set(_hidden) | pieces, key=len, reverse=True))
 
 
+#: What a piece masked wherever it stands holds: a host or database libpq read out of a
+#: password with an unencoded @ or /, or a password with a space or a quote in it.
+_COMPOUND = frozenset("@/:?# '\"")
+
+
 def unsecret(text: str) -> str:
-    """``text`` with every hidden piece masked: quoted ones whatever their length, bare ones
-    from 4 characters (masking every bare "ab" would garble the line; libpq quotes what it
-    shows of a connection string)."""
+    """``text`` with every hidden piece masked where libpq and the server show such pieces:
+    quoted. Bare, only a compound piece (``_COMPOUND``): a password that is a word ("postgres",
+    "worker") masked wherever it stood garbled every line and showed which word it was."""
     for piece in _hidden:
         if piece in text:
             for quote in ('"', "'"):
                 text = text.replace(f"{quote}{piece}{quote}", f"{quote}{_MASK}{quote}")
-            if len(piece) >= 4:
+            if not _COMPOUND.isdisjoint(piece):
                 text = text.replace(piece, _MASK)
     return text
 

@@ -1286,6 +1286,11 @@ class Store:
         """Hand the run back (draining): claimable at once. False if it was no longer ours."""
         return await self._fenced("release_lease", lease, required=False) is not None
 
+    async def expire_lease(self, lease: Lease) -> bool:
+        """End the lease now, the run left as it is (see queries.sql expire_lease). False if it
+        was no longer ours."""
+        return await self._fenced("expire_lease", lease, required=False) is not None
+
     async def abandon(self, lease: Lease, error: str) -> bool:
         """Give the claim up, keeping the attempt spent (see queries.sql abandon_run)."""
         return await self._fenced("abandon_run", lease, required=False, error=error) is not None

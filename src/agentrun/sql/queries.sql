@@ -338,6 +338,18 @@ UPDATE agent_run
    AND status = 'running'
 RETURNING id;
 
+-- expire_lease --
+-- A worker let the run go because its lease ran out by its own clock (its renewals failed, or
+-- it was paused), while the database may have it renewed (a renewal in flight when a paused
+-- worker woke): the lease ends now, as the worker believes it did, so the next claim takes the
+-- run at once. It waited out the renewed lease, and a worker alone in its pool its whole idle
+-- interval (a claim wakes for other workers' leases only). Counted as a lost lease is (the next
+-- claim's attempt), not given back as a drain's.
+UPDATE agent_run SET lease_until = now(), updated_at = now()
+ WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
+   AND status = 'running'
+RETURNING id;
+
 -- finish_run --
 -- A run's terminal status, result and error, its lease given up. Fenced.
 -- Never 'succeeded' once a rollback was asked for (cancel --rollback, reject --abort): the holder
