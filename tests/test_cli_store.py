@@ -115,8 +115,6 @@ def test_runs_and_cancel_from_the_cli(database_url: str) -> None:
     res = run_cli("cancel", rid, env=env)
     assert res.returncode == 0 and "cancelled" in res.stdout
     res = run_cli("runs", "-o", "json", env=env)
-    import json
-
     (row,) = json.loads(res.stdout)
     assert row["id"] == rid and row["status"] == "cancelled"
     res = run_cli("cancel", rid, env=env)

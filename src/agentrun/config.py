@@ -17,6 +17,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from agentrun.errors import ConfigError
+from agentrun.logs import MASK
 
 DATABASE_URL_ENV = "AGENTRUN_DATABASE_URL"
 # Seconds one model call may take in all, request to assembled message (the SDK's own timeout is
@@ -31,7 +32,6 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _URI_PASSWORD = re.compile(r"://[^:/@\s]*:([^@]*)@")
 _KEYWORD_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'?|(?:[^\s\\]|\\.)*)")
 _QUOTED = re.compile(r'"([^"]*)"')
-MASK = "***"
 #: What libpq's own message templates quote (missing "=" after ..., looking for matching "]").
 _LIBPQ_WORDS = frozenset({"=", "]"})
 

@@ -53,8 +53,8 @@ def set_process_fields(**fields: str | None) -> None:
 
 #: What no log line may show: the pieces of the database URL's password (hide_in_logs).
 _hidden: tuple[str, ...] = ()
-#: A mask, as agentrun.config's.
-_MASK = "***"
+#: What a secret is shown as, in logs and in agentrun.config's redactions.
+MASK = "***"
 
 
 def hide_in_logs(pieces: frozenset[str]) -> None:
@@ -78,9 +78,9 @@ def unsecret(text: str) -> str:
     for piece in _hidden:
         if piece in text:
             for quote in ('"', "'"):
-                text = text.replace(f"{quote}{piece}{quote}", f"{quote}{_MASK}{quote}")
+                text = text.replace(f"{quote}{piece}{quote}", f"{quote}{MASK}{quote}")
             if not _COMPOUND.isdisjoint(piece):
-                text = text.replace(piece, _MASK)
+                text = text.replace(piece, MASK)
     return text
 
 
