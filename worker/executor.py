@@ -175,18 +175,25 @@ class _MidStream:
 T = TypeVar("T")
 
 
-async def _within_lease(h: RunHandle, call: asyncio.Future[T], what: str) -> T:
-    """``call``'s result, unless the run's lease runs out by this worker's clock first (the
-    heartbeat cannot reach the database): LeaseLost, and the caller cancels the call. A model
-    call streamed on after it, paid for twice once another worker had taken the run, and its
-    retries could go on for the whole retry bound (hours)."""
+async def _within_lease(
+    h: RunHandle, call: asyncio.Future[T], stopping: str, deadline: float = math.inf
+) -> bool:
+    """Wait for ``call`` until ``deadline`` (monotonic) or until the run's lease runs out by
+    this worker's clock (the heartbeat cannot reach the database): LeaseLost then, saying
+    ``stopping``, and the caller cancels the call. True: the call is done; False: the deadline
+    passed first. Tool calls and model calls alike: a model call once streamed on after the
+    lease, paid for twice once another worker had taken the run, and its retries could go on
+    for the whole retry bound (hours)."""
     while True:
-        done, _ = await asyncio.wait({call}, timeout=max(h.lease_expires - time.monotonic(), 0.0))
+        wait = min(deadline, h.lease_expires) - time.monotonic()
+        done, _ = await asyncio.wait({call}, timeout=max(wait, 0.0))
         if done:
-            return call.result()
+            return True
         lost = h.lease_lost()
         if lost is not None:
-            raise LeaseLost(h.run_id, f"{lost}; stopped the {what}")
+            raise LeaseLost(h.run_id, f"{lost}; {stopping}")
+        if time.monotonic() >= deadline:
+            return False
 
 
 async def _settle(call: asyncio.Future[Any]) -> None:
@@ -463,7 +470,8 @@ class RunExecutor:
                     if self.is_draining() or h.rollback_requested:
                         continue  # at the commit boundary, as without overlap (finally cancels)
                 h.in_model_call = True  # from here a drain aborts the call at once
-                turn = await _within_lease(h, call, "model call")
+                await _within_lease(h, call, "stopped the model call")
+                turn = call.result()
             finally:
                 h.in_model_call = False
                 h.progress.end()
@@ -996,21 +1004,14 @@ class RunExecutor:
         call = asyncio.ensure_future(spec.invoke(ctx, args))
         deadline = time.monotonic() + timeout
         try:
-            while True:
-                wait = min(deadline, h.lease_expires) - time.monotonic()
-                done, _ = await asyncio.wait({call}, timeout=max(wait, 0.0))
-                if done:
-                    failure = call.exception()
-                    if failure is not None:
-                        raise ToolRaised(failure)
-                    return call.result()
-                lost = h.lease_lost()
-                if lost is not None:
-                    raise LeaseLost(h.run_id, f"{lost}; stopped waiting for {spec.name}")
-                if time.monotonic() >= deadline:
-                    log.warning("tool %s (step %d, call %d) timed out after %g s",
-                                spec.name, ctx.seq, ctx.call_index, timeout)
-                    raise ToolRaised(ToolTimeout(spec.name, timeout))
+            if not await _within_lease(h, call, f"stopped waiting for {spec.name}", deadline):
+                log.warning("tool %s (step %d, call %d) timed out after %g s",
+                            spec.name, ctx.seq, ctx.call_index, timeout)
+                raise ToolRaised(ToolTimeout(spec.name, timeout))
+            failure = call.exception()
+            if failure is not None:
+                raise ToolRaised(failure)
+            return call.result()
         finally:
             if not call.done():
                 call.cancel()  # an async tool stops here; a sync tool's thread is abandoned

@@ -278,9 +278,9 @@ def validate_database_url(url: str) -> str:
     if port and not all(p.isascii() and p.isdigit() and 1 <= int(p) <= 65535
                         for p in port.split(",")):
         # The "port" may be a password's head (u:pw/rd@h: libpq ends the user info at the /).
-        inside = any(port in url[a:b] for a, b in _password_spans(url))
+        shown = MASK if port in secret_pieces(url) else repr(port)
         raise ConfigError(
-            f"{DATABASE_URL_ENV} has port {MASK if inside else repr(port)}, not a number from 1 "
+            f"{DATABASE_URL_ENV} has port {shown}, not a number from 1 "
             "to 65535; expected postgresql://USER@HOST:PORT/DB (percent-encode / @ : ? in a "
             "password)"
         )

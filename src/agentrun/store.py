@@ -208,14 +208,6 @@ class StalePlan(DatabaseUnavailable):
     statement tried again is prepared anew."""
 
 
-def _stale_plan(exc: psycopg.Error) -> bool:
-    """PostgreSQL refusing a prepared statement whose result columns changed since it was
-    prepared ("cached plan must not change result type"): a migration added a column under a
-    ``SELECT *`` or ``RETURNING *``. Told by the routine, which is not translated."""
-    return (isinstance(exc, psycopg.errors.FeatureNotSupported)
-            and exc.diag.source_function == "RevalidateCachedQuery")
-
-
 class StoreCursor(psycopg.AsyncCursor[Any]):
     """The cursor of every store connection: a statement prepared before a migration changed
     its result (``agentrun migrate`` of a newer release, which the chart's operator runs at its
@@ -233,7 +225,9 @@ class StoreCursor(psycopg.AsyncCursor[Any]):
         try:
             return await super().execute(query, params, prepare=prepare, binary=binary)
         except psycopg.errors.FeatureNotSupported as exc:
-            if not _stale_plan(exc):
+            # "cached plan must not change result type": a migration added a column under a
+            # SELECT * or RETURNING *. Told by the routine, which is not translated.
+            if exc.diag.source_function != "RevalidateCachedQuery":
                 raise
             if self.connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 raise StalePlan(f"the schema changed under a prepared statement: {exc}") from exc
