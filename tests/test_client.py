@@ -483,3 +483,30 @@ def test_the_docs_examples_run_as_written(
         assert len(second.splitlines()) == 3  # the one succeeded run of the first block
     else:
         assert outputs[0].splitlines()[0].startswith("succeeded")
+
+
+async def test_a_bad_url_argument_is_named_as_the_argument(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL given to the client is blamed as the argument it is: "check AGENTRUN_DATABASE_URL"
+    sent its caller to an environment variable that may not even be set. The environment's URL
+    is still named as the environment's."""
+    monkeypatch.delenv("AGENTRUN_DATABASE_URL", raising=False)
+    login = {**conninfo_to_dict(database_url), "user": "no_such_role_for_the_client"}
+    bad = {
+        "": "the database_url argument is empty",
+        "mysql://u@h/db": "the database_url argument has scheme 'mysql'",
+        "host=a port=b c": "the database_url argument is malformed",
+        "postgresql://u@h:99999/db": "the database_url argument has port",
+        make_conninfo(**login): "check the user, password and database in the database_url",
+    }
+    for url, says in bad.items():
+        with pytest.raises(ConfigError) as refused:
+            async with AsyncClient(url):
+                pass
+        assert says in str(refused.value), str(refused.value)
+        assert "AGENTRUN_DATABASE_URL" not in str(refused.value)
+    monkeypatch.setenv("AGENTRUN_DATABASE_URL", "host=a port=b c")
+    with pytest.raises(ConfigError, match="AGENTRUN_DATABASE_URL is malformed"):
+        async with AsyncClient():
+            pass

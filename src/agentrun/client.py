@@ -37,7 +37,7 @@ from uuid import UUID
 
 from pydantic import ValidationError
 
-from agentrun.config import validate_database_url
+from agentrun.config import DATABASE_URL_ENV, validate_database_url
 from agentrun.embedded import database_url as default_database_url
 from agentrun.errors import AgentrunError, ConfigError, RunUnsuccessful, WaitTimeout
 from agentrun.manifests import (
@@ -93,6 +93,9 @@ def _is_about(payload: str, run_id: UUID) -> bool:
     return isinstance(data, dict) and data.get("id") == str(run_id)
 
 
+#: What a URL error names when the URL was the client's argument, not the environment's.
+DATABASE_URL_ARG = "the database_url argument"
+
 class AsyncClient:
     """Runs in the agentrun store, from async code::
 
@@ -120,10 +123,14 @@ class AsyncClient:
         if self._store is not None:
             return self
         if self._url is not None:
-            url, embedded = validate_database_url(self._url), False
+            source = DATABASE_URL_ARG
+            url, embedded = validate_database_url(self._url, source), False
         else:
+            source = DATABASE_URL_ENV
             url, embedded = default_database_url(quiet=True)
-        self._store = await open_store(url, embedded=embedded, max_size=self._max_connections)
+        self._store = await open_store(
+            url, embedded=embedded, max_size=self._max_connections, source=source
+        )
         return self
 
     async def close(self) -> None:

@@ -256,22 +256,25 @@ def redact_message(message: str, url: str | None) -> str:
     return message
 
 
-def validate_database_url(url: str) -> str:
-    """Check the URL parses as a libpq connection string; raise ConfigError naming the problem."""
+def validate_database_url(url: str, source: str = DATABASE_URL_ENV) -> str:
+    """Check the URL parses as a libpq connection string; raise ConfigError naming the problem
+    and ``source``, where the URL came from (the environment variable, or a client's argument)."""
     if not url.strip():
+        if source != DATABASE_URL_ENV:
+            raise ConfigError(f"{source} is empty; pass None to find the database as the CLI does")
         raise ConfigError(f"{DATABASE_URL_ENV} is empty; unset it to use the embedded PostgreSQL")
     scheme_match = _SCHEME.match(url)
     if scheme_match and not url.startswith(_URI_PREFIXES):
         scheme = scheme_match.group()[:-3]
         raise ConfigError(
-            f"{DATABASE_URL_ENV} has scheme {scheme!r}; expected postgresql://USER@HOST:PORT/DB"
+            f"{source} has scheme {scheme!r}; expected postgresql://USER@HOST:PORT/DB"
         )
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(
-            f"{DATABASE_URL_ENV} is malformed ({redact_message(reason, url)}); "
+            f"{source} is malformed ({redact_message(reason, url)}); "
             "expected postgresql://USER@HOST:PORT/DB"
         ) from None
     port = str(params.get("port") or "")
@@ -280,7 +283,7 @@ def validate_database_url(url: str) -> str:
         # The "port" may be a password's head (u:pw/rd@h: libpq ends the user info at the /).
         shown = MASK if port in secret_pieces(url) else repr(port)
         raise ConfigError(
-            f"{DATABASE_URL_ENV} has port {shown}, not a number from 1 "
+            f"{source} has port {shown}, not a number from 1 "
             "to 65535; expected postgresql://USER@HOST:PORT/DB (percent-encode / @ : ? in a "
             "password)"
         )

@@ -4,6 +4,7 @@ insist that any other is current (the operator, a Helm hook or `agentrun migrate
 
 from __future__ import annotations
 
+from agentrun.config import DATABASE_URL_ENV
 from agentrun.errors import ConfigError
 from agentrun.migrations import latest_version, migrate, schema_version
 from agentrun.store import Store, connect
@@ -27,14 +28,17 @@ def _require_current(have: int) -> None:
         )
 
 
-async def open_store(url: str, *, embedded: bool, max_size: int) -> Store:
+async def open_store(
+    url: str, *, embedded: bool, max_size: int, source: str = DATABASE_URL_ENV
+) -> Store:
     """An open store on a current schema: the one route of the CLI's commands and the Python
     client. The database is checked once: Store.open's connection check (a one-line error), then
     the schema version read on the pool's own connection. Only the embedded database is migrated
-    here, on a connection of its own first (a migration runs without a statement timeout)."""
+    here, on a connection of its own first (a migration runs without a statement timeout).
+    ``source``: where the URL came from, named by an error that blames the URL."""
     if embedded:
         await ensure_schema(url, auto=True)
-    store = await Store.open(url, max_size=max_size)
+    store = await Store.open(url, max_size=max_size, source=source)
     if not embedded:
         try:
             async with store.pool.connection() as conn:

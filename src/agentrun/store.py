@@ -740,9 +740,13 @@ def parse_run_id(value: str | UUID) -> UUID:
 
 
 async def check_connect(
-    url: str, connect_timeout: float = 5.0, options: ConnectOptions | None = None
+    url: str,
+    connect_timeout: float = 5.0,
+    options: ConnectOptions | None = None,
+    source: str = DATABASE_URL_ENV,
 ) -> None:
-    """Connect once, turning any failure into a one-line :class:`DatabaseUnavailable`."""
+    """Connect once, turning any failure into a one-line :class:`DatabaseUnavailable`, or a
+    :class:`ConfigError` that names ``source`` (where the URL came from) when it is the URL's."""
     try:
         opts = replace(options or ConnectOptions.from_env(), connect_timeout=connect_timeout)
         conn = await connect(url, options=opts)
@@ -752,12 +756,12 @@ async def check_connect(
         if login_refused(reason):
             raise ConfigError(
                 f"PostgreSQL at {redact_url(url)} refused the login: {said}; check the user, "
-                f"password and database in {DATABASE_URL_ENV}"
+                f"password and database in {source}"
             ) from None
         if setting_refused(reason):
             raise ConfigError(
                 f"PostgreSQL at {redact_url(url)} refused a connection setting: {said}; check "
-                f"the parameters in {DATABASE_URL_ENV}"
+                f"the parameters in {source}"
             ) from None
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {redact_url(url)}: {said}"
@@ -822,11 +826,13 @@ class Store:
         pool_timeout: float = 30.0,
         options: ConnectOptions | None = None,
         group_commit: bool = True,
+        source: str = DATABASE_URL_ENV,
     ) -> Self:
         """``pool_timeout``: how long a query waits for a pooled connection (through an outage)
-        before it fails; the operator keeps it short to report a database outage quickly."""
+        before it fails; the operator keeps it short to report a database outage quickly.
+        ``source``: where the URL came from, named by an error that blames the URL."""
         opts = options or ConnectOptions.from_env()
-        await check_connect(url, connect_timeout, opts)
+        await check_connect(url, connect_timeout, opts, source)
         pool: AsyncConnectionPool = AsyncConnectionPool(
             url,
             min_size=min_size,
