@@ -22,6 +22,7 @@ from agentrun.manifests import BudgetSpec
 from agentrun.store import K8sRef, Store
 from tests.conftest import listeners, run_cli
 from tests.proxykit import TcpProxy
+from tests.test_missed_rollback import park_while_rolling_back
 from tests.workerkit import (
     AGENT,
     FakeFactory,
@@ -313,7 +314,8 @@ async def test_get_shows_the_pending_approval_with_its_seq_and_attempt(
     assert fields["cost"] == "$0.0123 (estimated)"
     assert fields["caching"] == "on"
     assert fields["budget"] == "995 of 5000 tokens, $0.0123 of $2"
-    assert fields["step"] == "1 (max 50)" and fields["attempt"].startswith("0 ")
+    assert fields["turns"] == "1 (max 50); 1 step in the log"
+    assert fields["attempt"].startswith("0 ")
     assert "worker-a died inside it" in fields["waiting"]
     as_json = json.loads(run_cli("get", str(run.id), "-o", "json", env=env).stdout)
     assert as_json["pending_call"]["attempt"] == 2 and as_json["input_tokens"] == 120
@@ -528,3 +530,38 @@ async def test_a_signal_ends_logs_follow_at_once_while_the_database_is_down(
             follower.kill()
             follower.wait()
         proxy.stop()
+
+
+async def test_get_counts_model_turns_against_max_steps(database_url: str, store: Store) -> None:
+    """maxSteps counts model turns; `get` showed next_seq against it, which counts a turn's tool
+    results too ("4 (max 2)" for a run that failed at 2 turns). The attempts in a row without a
+    step follow the claim's rule: a step committed since the claim starts the count over."""
+    run, _ = await store.create_run("t", AGENT, max_steps=2)
+    (_, lease), = (await store.claim("default", "w1", 1)).claimed
+    for seq in range(4):  # two model turns, each with its tool results
+        kind = "model_turn" if seq % 2 == 0 else "tool_result"
+        await store.append_step(lease, seq, kind, {"content": []})
+    await store.finish(lease, "failed", error="maxSteps 2 reached without a final answer")
+    env = {"AGENTRUN_DATABASE_URL": database_url}
+    for command in (["get", str(run.id)], ["get", str(run.id), "-o", "wide"],
+                    ["wait", str(run.id), "-o", "wide"]):
+        out = run_cli(*command, env=env)
+        fields = {k: v.strip() for k, v in (ln.split(":", 1) for ln in out.stdout.splitlines())}
+        assert fields["turns"] == "2 (max 2); 4 steps in the log", (command, fields)
+        assert fields["attempt"] == "1 (in a row without a step: 0, max 8)", (command, fields)
+
+
+async def test_cancel_rollback_of_a_parked_rollback_says_it_resumes_it(
+    database_url: str, store: Store
+) -> None:
+    """An older worker parked a run in waiting_approval while it rolled back: cancel --rollback
+    resumed it, then said "this request was not recorded" (exit 1)."""
+    h = await park_while_rolling_back(store)
+    out = run_cli("cancel", str(h.run.id), "--rollback",
+                  env={"AGENTRUN_DATABASE_URL": database_url})
+    assert out.returncode == 0, out.stderr
+    assert "its compensations run, then it ends failed" in out.stdout, out.stdout
+    assert (await store.get_run(h.run.id)).status == "pending"
+    again = run_cli("cancel", str(h.run.id), "--rollback",
+                    env={"AGENTRUN_DATABASE_URL": database_url})
+    assert again.returncode == 1 and "not recorded" in again.stderr, again.stderr

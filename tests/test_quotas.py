@@ -258,3 +258,16 @@ async def test_migration_0021_recounts_a_count_older_releases_took_below_zero(
     await create(store, "busy", 3)
     assert len((await store.claim("default", "w", limit=10)).claimed) == 1  # 1 of 2 was running
     assert await counters(store) == {"paused": 0, "busy": 2}
+
+
+async def test_a_restarted_run_stays_in_its_namespace_and_under_its_quota(store: Store) -> None:
+    """agentrun restart copied the run's spec but not its namespace: the new run escaped the
+    quota of a paused namespace (found by a review on 2026-12-07)."""
+    await store.set_quota("team-a", 0)  # the namespace is paused
+    run, _ = await store.create_run("t", AGENT, name=ManifestName("team-a", "nightly"))
+    assert (await store.claim("default", "w1", 5)).claimed == []
+    new = await store.restart(run.id)
+    assert (new.k8s_namespace, new.k8s_name, new.k8s_uid) == ("team-a", "nightly", None)
+    assert new.restarted_from == run.id
+    assert (await store.claim("default", "w1", 5)).claimed == []
+    assert [r.id for r in await store.list_runs(namespace="team-a")] == [new.id, run.id]

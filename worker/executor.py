@@ -409,7 +409,13 @@ class RunExecutor:
                         raise RunFailed(f"model stopped with stop_reason 'tool_use' at seq "
                                         f"{seq - 1} but asked for no tool (no tool_use block)")
                     started = time.perf_counter()
-                    content = await self.run_tools(h, seq - 1, last[1])
+                    try:
+                        content = await self.run_tools(h, seq - 1, last[1])
+                    except RollbackRequested:
+                        log.warning("a rollback was requested: rolling back before the turn's "
+                                    "next tool call")
+                        await self.abort(h)
+                        return None
                     payload = {"content": content}
                     results = self._commit_results(h, seq, payload, started)
                     messages.append({"role": "user", "content": content})
@@ -730,12 +736,17 @@ class RunExecutor:
             for b in calls
         )
         effects = await self.store.effects(h.run.id, turn_seq) if recording else {}
-        return [
-            await self.tracing.tool_call(
+        content = []
+        for i, b in enumerate(calls):
+            if h.rollback_requested:
+                # Heard between two calls: the next may be one that waits for a human (the
+                # rollback was parked behind it) or one more effect to undo. What ran is on
+                # record (a recording tool's effect), so the rollback can start here.
+                raise RollbackRequested(h.run_id)
+            content.append(await self.tracing.tool_call(
                 b, self.registry, turn_seq + 1, i, self.call_tool(h, turn_seq, i, b, effects.get(i))
-            )
-            for i, b in enumerate(calls)
-        ]
+            ))
+        return content
 
     async def call_tool(
         self,

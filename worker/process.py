@@ -52,6 +52,7 @@ from agentrun.errors import (
     ConfigError,
     DatabaseUnavailable,
     LeaseLost,
+    RollbackRequested,
     RunCancelled,
 )
 from agentrun.logs import current_run_id
@@ -642,9 +643,7 @@ class Worker:
             log.warning("%s; dropping the run", exc)
             self._end_lease(h)
         except WaitForApproval as wait:
-            log.warning("waiting for a human: %s", wait.reason)
-            await self._quietly(self.store.wait_for_approval(h.lease, wait.reason,
-                                                             wait.pending_call))
+            await self._wait_for_human(h, wait)
         except RunFailed as exc:
             await self._fail(h, str(exc))
         except PermanentModelError as exc:
@@ -701,7 +700,22 @@ class Worker:
         if await self._quietly(self.store.release(h.lease)):
             log.info("released for another worker")
 
-    async def _fail(self, h: RunHandle, error: str) -> None:
+    async def _wait_for_human(self, h: RunHandle, wait: WaitForApproval) -> None:
+        try:
+            await self.store.wait_for_approval(h.lease, wait.reason, wait.pending_call)
+        except RollbackRequested:
+            # Asked for while the turn's calls ran (or while this worker was not listening):
+            # parked, the rollback waited for a decision on a call it would never make.
+            log.warning("a rollback was requested: rolling back, not waiting for a human")
+            await self._fail(h, None)
+        except _NOT_WORTH_THE_RUN as exc:
+            log.warning("could not update the run: %s", exc)
+        else:
+            log.warning("waiting for a human: %s", wait.reason)
+
+    async def _fail(self, h: RunHandle, error: str | None) -> None:
+        """Roll the run back and end it: failed with ``error``, or as its requested rollback
+        said (None)."""
         try:
             await self.executor.abort(h, error)
         except LeaseLost as exc:

@@ -232,13 +232,15 @@ FOLLOW_RESYNC = 5.0
 FOLLOW_LEASE_ENV = "AGENTRUN_FOLLOW_LEASE"
 
 
-def _print_run(run: Run, output: str, waited_on: dict[str, Any] | None = None) -> None:
+def _print_run(
+    run: Run, output: str, waited_on: dict[str, Any] | None = None, turns: int | None = None
+) -> None:
     if output == "json":
         print(json.dumps(run_to_json(run), indent=2))
     elif output == "yaml":
         print(to_yaml(run_to_json(run)))
     else:
-        print(describe_run(run, full=output == "wide", waited_on=waited_on))
+        print(describe_run(run, full=output == "wide", waited_on=waited_on, turns=turns))
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
@@ -246,7 +248,9 @@ async def cmd_get(args: argparse.Namespace) -> int:
         run = await store.get_run(args.run)  # RunNotFound for an unknown id
         # The attempt `approve` would decide, as decide reads it (a wait may not name it).
         waited_on = await store.waited_on(run.id) if run.status == "waiting_approval" else None
-    _print_run(run, args.output, waited_on)
+        # What maxSteps counts, for the text views (-o json/yaml print the run's own columns).
+        turns = await store.model_turns(run.id) if args.output in ("text", "wide") else None
+    _print_run(run, args.output, waited_on, turns)
     return 0
 
 
@@ -438,6 +442,7 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     async with await _open_store() as store:
         await store.get_run(rid)  # RunNotFound at once, not at the timeout
         run = await wait_for_end(store, rid, args.timeout)
+        turns = await store.model_turns(rid) if run is not None and args.output == "wide" else None
     if run is None:
         print(
             f"agentrun: error: run {rid} has not ended after {args.timeout:g}s (--timeout)",
@@ -447,7 +452,7 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     if args.output == "text":
         print(_end_line(run))
     else:
-        _print_run(run, args.output)
+        _print_run(run, args.output, turns=turns)
     return _wait_code(run, args.awaited)
 
 
@@ -665,7 +670,10 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         else:
             run, changed = await store.cancel(args.run, reason=args.reason)
     if changed and args.rollback:
-        print(f"run {run.id}: rollback requested; its compensations run, then it ends cancelled")
+        # The end the run's rollback stored: cancelled, unless this request resumed an earlier
+        # rollback an older worker had parked behind an approval (that one's end stands).
+        print(f"run {run.id}: rollback requested; its compensations run, then it ends "
+              f"{run.rollback_end or 'cancelled'}")
         return 0
     if changed:
         print(f"run {run.id} cancelled")

@@ -152,10 +152,12 @@ def pending_text(run: Run, waited_on: dict[str, Any] | None = None) -> str | Non
 
 
 def describe_run(
-    run: Run, *, full: bool = False, waited_on: dict[str, Any] | None = None
+    run: Run, *, full: bool = False, waited_on: dict[str, Any] | None = None,
+    turns: int | None = None,
 ) -> str:
     """``agentrun get``: one field a line. ``full`` (-o wide): the task, result and error whole,
-    not cut to one line. ``waited_on``: see :func:`pending_text`."""
+    not cut to one line. ``waited_on``: see :func:`pending_text`. ``turns``: the model turns
+    taken (Store.model_turns), which maxSteps counts; next_seq counts the tool results too."""
 
     def text(value: str | None) -> str:
         if value is None:
@@ -183,8 +185,12 @@ def describe_run(
         # Pinned with the run (spec.promptCaching, default on).
         ("caching", "on" if run.agent_spec.get("promptCaching", True) else "off"),
         ("provider", run.provider),
-        ("step", f"{run.next_seq} (max {run.max_steps})"),
-        ("attempt", f"{run.attempt} (in a row without a step: {run.stalled_attempts}, "
+        ("turns", f"{'?' if turns is None else turns} (max {run.max_steps}); "
+                  f"{run.next_seq} step{'' if run.next_seq == 1 else 's'} in the log"),
+        # The claim's own rule (queries.sql claim_runs): a step committed since the last claim
+        # starts the count over, though the stored count changes only at the next claim.
+        ("attempt", f"{run.attempt} (in a row without a step: "
+                    f"{0 if run.next_seq > run.claim_seq else run.stalled_attempts}, "
                     f"max {run.max_attempts})"),
         ("tokens", f"{run.input_tokens} in, {run.output_tokens} out, "
                    f"{run.cache_read_tokens} cache read, {run.cache_write_tokens} cache write"),

@@ -1314,14 +1314,19 @@ class Store:
         ``succeeded`` while a rollback was asked for: the caller rolls back instead."""
         params = self._fence_params(lease)
         params.update(status=status, result=result, error=error)
+        await self._unless_rolling_back("finish_run", lease, params)
+
+    async def _unless_rolling_back(self, name: str, lease: Lease, params: dict[str, Any]) -> None:
+        """A fenced statement that a requested rollback refuses too (finish_run's succeeded,
+        wait_for_approval): :class:`RollbackRequested` when that is why it matched nothing."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(queries["finish_run"], params)
+            cur = await conn.execute(queries[name], params)
             if await cur.fetchone() is not None:
                 return
             state = await (await conn.execute(queries["fence_state"],
                                               {"run_id": lease.run_id})).fetchone()
             if state is not None and tuple(state) == ("running", lease.worker, lease.epoch, True):
-                # Still this lease's: only finish_run's rollback guard refuses that.
+                # Still this lease's: only the statement's rollback guard refuses that.
                 raise RollbackRequested(str(lease.run_id))
             raise await self._fence_error(conn, lease)
 
@@ -1440,9 +1445,11 @@ class Store:
     async def wait_for_approval(
         self, lease: Lease, reason: str, pending_call: dict[str, Any]
     ) -> None:
-        await self._fenced(
-            "wait_for_approval", lease, reason=reason, pending_call=Jsonb(pending_call)
-        )
+        """Park the run for a human (fenced). Raises :class:`RollbackRequested`, writing
+        nothing, once a rollback was asked for: the caller rolls back instead."""
+        params = self._fence_params(lease)
+        params.update(reason=reason, pending_call=Jsonb(pending_call))
+        await self._unless_rolling_back("wait_for_approval", lease, params)
 
     async def get_approval(
         self, run_id: UUID, seq: int, call_index: int, stage: str, attempt: int = 1
@@ -1596,26 +1603,24 @@ class Store:
     ) -> tuple[Run, bool]:
         """Ask for the run's compensations to run and the run to end as ``end`` (see
         queries.sql; stored beside the reason, migration 0016). A dead-lettered run with
-        compensations due rolls back too. Returns the run and whether the request was recorded
+        compensations due rolls back too. Returns the run and whether the request changed it
         (False: already finished, or rolling back already, on a request whose reason and end
-        stand)."""
+        stand; True also for a rollback an older worker parked behind an approval, which it
+        resumes, its first reason and end standing)."""
         rid = parse_run_id(run_id)
         reason = rollback_reason(end, why)
         # Read first, not in the statement: only a dead letter needs it, and a finished run's
         # effects do not change (a live one's are the holder's to roll back whatever this says).
         rollback_due = bool(await self.compensations_due(rid))
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=known_row_and(Run, "requested_now"))
+            cur = conn.cursor(row_factory=known_row(Run))
             await cur.execute(queries["request_rollback"],
                               {"run_id": rid, "reason": reason, "end": end,
                                "rollback_due": rollback_due})
-            row = await cur.fetchone()
-        if row is None:
-            return await self.get_run(rid), False
-        run, requested_now = row
-        # Rolling back already: that rollback's reason and end stand, so this request is not
-        # recorded (run.rolling_back says why).
-        return run, bool(requested_now)
+            run = await cur.fetchone()
+        # None: finished, or rolling back already, whose reason and end stand (run.rolling_back
+        # says why); the run is unchanged.
+        return (run, True) if run is not None else (await self.get_run(rid), False)
 
     # -- steps and depth -----------------------------------------------------------------------
 
@@ -1789,9 +1794,16 @@ class Store:
                           "whose rollback ended incomplete, can be retried (agentrun restart "
                           "starts a new run with its spec)")
 
+    async def model_turns(self, run_id: str | UUID) -> int:
+        """How many model turns the run has taken (what maxSteps counts)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(queries["model_turns"], {"run_id": parse_run_id(run_id)})
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
     async def restart(self, run_id: str | UUID) -> Run:
         """A new run with the spec of ``run_id`` (task, model, agent spec, pool, limits), from
-        step 0; the original is left as it is."""
+        step 0, in its namespace under its name; the original is left as it is."""
         rid = parse_run_id(run_id)
         run = await self._one_run("restart_run", run_id=rid)
         if run is None:
@@ -1993,19 +2005,3 @@ def _claim_row(cursor: psycopg.AsyncCursor[Any]) -> Callable[[Sequence[Any]], Cl
 
     return make
 
-
-def known_row_and(cls: type[T], column: str) -> BaseRowFactory[tuple[T, Any]]:
-    """:func:`known_row`, and the value of ``column``, which the statement returns beside the
-    row's own columns."""
-    rows = known_row(cls)
-
-    def factory(cursor: Any) -> RowMaker[tuple[T, Any]]:
-        make = rows(cursor)
-        at = [c.name for c in cursor.description or ()].index(column)
-
-        def both(values: Sequence[Any]) -> tuple[T, Any]:
-            return make(values), values[at]
-
-        return both
-
-    return factory

@@ -588,13 +588,16 @@ RETURNING id;
 
 -- wait_for_approval --
 -- The run stops and waits for a human; its lease is given up (and the attempt with it: waiting is
--- not failing), so no worker holds a run nobody can advance.
+-- not failing), so no worker holds a run nobody can advance. Never once a rollback was asked for
+-- (as finish_run's succeeded): the rollback was parked behind a call it would never make, and the
+-- run sat in waiting_approval until someone decided that call (Store.wait_for_approval raises
+-- RollbackRequested, and the worker rolls back instead).
 UPDATE agent_run
    SET status = 'waiting_approval', wait_reason = %(reason)s, pending_call = %(pending_call)s,
        lease_owner = NULL, lease_until = NULL, attempt = greatest(attempt - 1, 0),
        stalled_attempts = greatest(stalled_attempts - 1, 0)
  WHERE id = %(run_id)s AND lease_owner = %(worker)s AND lease_epoch = %(epoch)s
-   AND status = 'running'
+   AND status = 'running' AND rollback_reason IS NULL
 RETURNING id;
 
 -- get_approval --
@@ -660,9 +663,9 @@ SELECT r.status, r.pending_call,
 -- tool of it may be running, and its effect must be recorded to be undone): it hears the
 -- notification and rolls back at its next commit boundary. A run nobody holds becomes claimable,
 -- and the next claim rolls it back.
--- The first request's reason and end stay. requested_now says whether this one set them: false,
--- the run was rolling back already, and ends as that rollback said (the CLI said "ends cancelled"
--- of a run that then ended failed, and dropped the second reason without a word).
+-- The first request's reason and end stay: a second request matches no row (the run was rolling
+-- back already, and ends as that rollback said; the CLI said "ends cancelled" of a run that then
+-- ended failed, and dropped the second reason without a word).
 -- A dead-lettered run (its workers died maxAttempts claims in a row) never rolled back: its
 -- done compensable effects (%(rollback_due)s: Store.request_rollback reads compensations_due)
 -- stayed done, and nothing could undo them. It becomes pending with a fresh poison-run budget
@@ -670,8 +673,13 @@ SELECT r.status, r.pending_call,
 -- One dead-lettered in the middle of a rollback keeps that rollback: a retry resumes it.
 -- Its dead-letter error moves to retried_error, as a retry's does: it said "dead-lettered" while
 -- the run was pending and rolling back, until the rollback ended.
+-- A rollback parked behind an approval (a worker before wait_for_approval's guard) is resumed by
+-- a second request, which reports it (resumed): it said "not recorded" while it moved the run.
+-- Any other second request changes nothing.
 WITH before AS (
-    SELECT id, rollback_reason IS NULL AS requested_now FROM agent_run
+    SELECT id, rollback_reason IS NULL AS requested_now,
+           rollback_reason IS NOT NULL AND status = 'waiting_approval' AS resumed
+      FROM agent_run
      WHERE id = %(run_id)s
        AND (status IN ('pending', 'running', 'waiting_approval')
             OR (status = 'dead_letter' AND rollback_reason IS NULL AND %(rollback_due)s))
@@ -690,8 +698,8 @@ UPDATE agent_run r
        retried_error = CASE WHEN r.status = 'dead_letter' THEN r.error ELSE r.retried_error END,
        error = CASE WHEN r.status = 'dead_letter' THEN NULL ELSE r.error END
   FROM before
- WHERE r.id = before.id
-RETURNING r.*, before.requested_now;
+ WHERE r.id = before.id AND (before.requested_now OR before.resumed)
+RETURNING r.*;
 
 -- k8s_runs_by_id --
 -- The operator's status flush: the runs it was notified about, in one round trip.
@@ -780,13 +788,21 @@ SELECT count(*) AS n FROM agent_step WHERE run_id = %(run_id)s AND kind = 'compe
 
 -- restart_run --
 -- agentrun restart: a new run with the pinned parts of an old one (task, model, agent spec,
--- pool, limits), from step 0. Not its Kubernetes identity or external key (both unique: they
--- name the original) and not its prompt version: the first claim resolves its tools afresh, as
--- for any new run.
-INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, restarted_from)
-SELECT pool, task, model, agent_spec, max_steps, max_attempts, id
+-- pool, limits), from step 0, in its namespace under its name (a namespace's quota counts it,
+-- and `runs --namespace` lists it: without them a restart escaped a paused namespace's quota).
+-- Not its object's uid or external key (both unique: they name the original; a run with a name
+-- and no uid is a submitted one, which the operator never reads) and not its prompt version:
+-- the first claim resolves its tools afresh, as for any new run.
+INSERT INTO agent_run (pool, task, model, agent_spec, max_steps, max_attempts, restarted_from,
+                       k8s_namespace, k8s_name)
+SELECT pool, task, model, agent_spec, max_steps, max_attempts, id, k8s_namespace, k8s_name
   FROM agent_run WHERE id = %(run_id)s
 RETURNING *;
+
+-- model_turns --
+-- agentrun get: the model turns a run has taken, which maxSteps counts (next_seq counts every
+-- step: a turn's tool results too).
+SELECT count(*)::integer FROM agent_step WHERE run_id = %(run_id)s AND kind = 'model_turn';
 
 -- prune_set_flag --
 -- agent_step's append-only trigger lets a DELETE through only with this set, for the
