@@ -16,16 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import anthropic
 import psycopg
 
 from agentrun.store import Lease, Store
 from agentrun.tools import ToolContext, ToolRegistry, tool
-from agentrun.worker.executor import RunExecutor, RunHandle
-from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.providers import Providers
-from agentrun.worker.settings import RetryPolicy
-from tests.workerkit import AGENT, FakeFactory
+from tests.workerkit import AGENT, FakeFactory, held_run, in_process_executor
 
 TOOLS = ToolRegistry()
 #: (tool, seq, call_index, attempt) -> the run's tool_call as the tool saw it from the database.
@@ -107,14 +102,10 @@ async def run_to_the_end(
     store.own, store.carried = [], []
     try:
         agent = AGENT.model_copy(update={"tools": tools, "thinking": None})
-        await store.create_run("mark the calls", agent, pool="marks")
-        ((run, lease),) = (await store.with_lease_ttl(60).claim("marks", "w", 1)).claimed
-        client = anthropic.AsyncAnthropic(base_url=srv.base_url, api_key="test", max_retries=0)
-        metrics = WorkerMetrics()
-        ex = RunExecutor(store, Providers(default=client), TOOLS, metrics, Health(60, metrics),
-                         RetryPolicy(max_retries=2, base_delay=0.0), is_draining=lambda: False)
-        assert await ex.advance(RunHandle(run, lease, lease_ttl=60)) is None
-        done = await store.get_run(run.id)
+        h = await held_run(store, agent, pool="marks", task="mark the calls")
+        async with in_process_executor(store, srv.base_url, TOOLS) as ex:
+            assert await ex.advance(h) is None
+        done = await store.get_run(h.run.id)
         assert done.status == "succeeded", done.error
     finally:
         await store.close()

@@ -21,12 +21,9 @@ from agentrun.errors import RollbackRequested
 from agentrun.manifests import AgentSpec
 from agentrun.store import Run, Store
 from agentrun.tools import ToolContext, ToolRegistry, tool
-from agentrun.worker.executor import RunExecutor, RunHandle
-from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.executor import RunHandle
 from agentrun.worker.process import Worker, WorkerSettings
-from agentrun.worker.providers import Providers
-from agentrun.worker.settings import RetryPolicy
-from tests.workerkit import FakeFactory
+from tests.workerkit import FakeFactory, held_run, in_process_executor
 
 TOOLS = ToolRegistry()
 STORES: list[Store] = []  # the test's store, for the tool that asks for the rollback
@@ -70,10 +67,8 @@ def unhold(ctx: ToolContext, item: str) -> str:
     return f"released {item}"
 
 
-async def held_run(store: Store) -> RunHandle:
-    await store.create_run("hold a seat", AGENT)
-    ((run, lease),) = (await store.with_lease_ttl(60).claim("default", "w", 1)).claimed
-    return RunHandle(run, lease, lease_ttl=60)
+async def hold_run(store: Store) -> RunHandle:
+    return await held_run(store, AGENT, task="hold a seat")
 
 
 async def test_a_rollback_the_holder_did_not_hear_is_carried_out_instead_of_success(
@@ -85,15 +80,9 @@ async def test_a_rollback_the_holder_did_not_hear_is_carried_out_instead_of_succ
     ]}]})
     STORES[:] = [store]
     UNDONE.clear()
-    client = anthropic.AsyncAnthropic(base_url=srv.base_url, api_key="test", max_retries=0)
-    metrics = WorkerMetrics()
-    ex = RunExecutor(store, Providers(default=client), TOOLS, metrics, Health(60, metrics),
-                     RetryPolicy(max_retries=0), is_draining=lambda: False)
-    h = await held_run(store)
-    try:
+    h = await hold_run(store)
+    async with in_process_executor(store, srv.base_url, TOOLS, max_retries=0) as ex:
         await ex.advance(h)
-    finally:
-        await client.close()
     assert not h.rollback_requested  # never heard: nothing listens here
     done = await store.get_run(h.run.id)
     assert done.status == "cancelled", (done.status, done.error)
@@ -105,7 +94,7 @@ async def test_a_rollback_the_holder_did_not_hear_is_carried_out_instead_of_succ
 
 
 async def test_finish_refuses_success_once_a_rollback_was_asked_for(store: Store) -> None:
-    h = await held_run(store)
+    h = await hold_run(store)
     await store.request_rollback(h.run.id, "cancelled", "plans changed")
     with pytest.raises(RollbackRequested):
         await store.finish(h.lease, "succeeded", result="done")
@@ -119,7 +108,7 @@ async def test_finish_refuses_success_once_a_rollback_was_asked_for(store: Store
 async def test_the_runs_held_are_read_again_once_listen_is_back(store: Store) -> None:
     worker = Worker(store, None, TOOLS,  # type: ignore[arg-type]  # no model call here
                     WorkerSettings(health_port=None, worker_id="w"))
-    h = await held_run(store)
+    h = await hold_run(store)
     worker.active[h.run.id] = h
     worker._on_listening()  # the first LISTEN: nothing held was missed
     assert worker._recheck is None
@@ -150,9 +139,7 @@ def hold_then_ship(fake: FakeFactory, hold_tool: str) -> str:
 
 
 async def gated_run(store: Store) -> RunHandle:
-    await store.create_run("book a trip", GATED)
-    ((run, lease),) = (await store.with_lease_ttl(60).claim("default", "w", 1)).claimed
-    return RunHandle(run, lease, lease_ttl=60)
+    return await held_run(store, GATED, task="book a trip")
 
 
 def assert_rolled_back(done: Run) -> None:
@@ -180,17 +167,13 @@ async def test_a_rollback_heard_between_two_calls_starts_before_the_next(
     STORES[:] = [store]
     UNDONE.clear()
     SHIPPED.clear()
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="test", max_retries=0)
-    metrics = WorkerMetrics()
-    ex = RunExecutor(store, Providers(default=client), TOOLS, metrics, Health(60, metrics),
-                     RetryPolicy(max_retries=0), is_draining=lambda: False)
     h = await gated_run(store)
     HANDLES[:] = [h]
     try:
-        assert await ex.advance(h) is None  # no WaitForApproval: the rollback went first
+        async with in_process_executor(store, base_url, TOOLS, max_retries=0) as ex:
+            assert await ex.advance(h) is None  # no WaitForApproval: the rollback went first
     finally:
         HANDLES.clear()
-        await client.close()
     assert_rolled_back(await store.get_run(h.run.id))
 
 

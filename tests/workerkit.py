@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,16 +12,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import yaml
 
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec, ThinkingSpec
 from agentrun.store import Run, Store
+from agentrun.tools import ToolRegistry
+from agentrun.worker.executor import RunExecutor, RunHandle
+from agentrun.worker.health import Health, WorkerMetrics
+from agentrun.worker.providers import Providers
+from agentrun.worker.settings import RetryPolicy
 
 TOOLS_DIR = Path(__file__).parent / "tool_modules"
 
@@ -213,3 +220,27 @@ async def wait_for(pred: Callable[[], bool], within: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def in_process_executor(
+    store: Store, base_url: str, registry: ToolRegistry, *, max_retries: int = 2
+) -> AsyncIterator[RunExecutor]:
+    """A worker's RunExecutor in this process, against ``store`` and the scripted model server
+    at ``base_url``, with ``registry``'s tools (no listener, no heartbeat: a test drives it)."""
+    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="test", max_retries=0)
+    metrics = WorkerMetrics()
+    try:
+        yield RunExecutor(store, Providers(default=client), registry, metrics,
+                          Health(60, metrics), RetryPolicy(max_retries=max_retries, base_delay=0.0),
+                          is_draining=lambda: False)
+    finally:
+        await client.close()
+
+
+async def held_run(store: Store, agent: AgentSpec, pool: str = "default",
+                   task: str = "a task") -> RunHandle:
+    """A new run of ``agent``, claimed by worker "w" under a 60 s lease."""
+    await store.create_run(task, agent, pool=pool)
+    ((run, lease),) = (await store.with_lease_ttl(60).claim(pool, "w", 1)).claimed
+    return RunHandle(run, lease, lease_ttl=60)

@@ -47,6 +47,8 @@ from agentrun.tools import (
     ToolTimeout,
     UnknownToolError,
     idempotency_key,
+    message_of,
+    not_an_object,
     tool_uses,
 )
 from agentrun.vocabulary import AbortReason, EffectState, StepKind, rollback_reason
@@ -88,7 +90,7 @@ class ToolRaised(Exception):
     never sent)."""
 
     def __init__(self, exc: BaseException) -> None:
-        super().__init__(f"{type(exc).__name__}: {exc}")
+        super().__init__(f"{type(exc).__name__}: {message_of(exc)}")
         self.exc = exc
 
 
@@ -618,9 +620,10 @@ class RunExecutor:
             except ToolRaised as raised:
                 failure = raised.exc
                 if isinstance(failure, LeaseExpired):  # the tool saw the fence: this worker stops
-                    raise LeaseLost(h.run_id, f"{what} stopped at the fence: {failure}") from None
+                    raise LeaseLost(
+                        h.run_id, f"{what} stopped at the fence: {message_of(failure)}") from None
                 raise CompensationFailed(
-                    f"{what} raised {type(failure).__name__}: {failure}") from failure
+                    f"{what} raised {type(failure).__name__}: {message_of(failure)}") from failure
             if outcome.is_error:
                 # A ToolError, or input it refuses: the effect is not undone, and a step
                 # recorded for it would keep it from ever being offered again.
@@ -760,7 +763,7 @@ class RunExecutor:
         run (again); a non-idempotent call whose effect is recorded is not called again; an
         irreversible call writes its intent first, and one whose intent has no outcome waits for
         a human instead of guessing."""
-        name, args = block["name"], block.get("input") or {}
+        name, args = block["name"], block.get("input", {})
         result: dict[str, Any] = {"type": "tool_result", "tool_use_id": block["id"]}
         granted = h.run.agent.tools
         if name not in granted:
@@ -781,6 +784,10 @@ class RunExecutor:
             return {**result, "is_error": True, "content": (
                 f"tool {name!r} is not available on this worker; the agent's tools are: "
                 f"{', '.join(granted)}")}
+        if not isinstance(args, dict):
+            # Before its key, intent, mark or record: `[]`, `""`, `0` or `null` was taken for
+            # {}, and a tool whose parameters all have defaults ran.
+            return {**result, "is_error": True, "content": not_an_object(name, args)}
         recorded = records_effects(spec)
         if recorded and effect is not None and effect.state == "done" and effect.result:
             log.info("seq %d call %d: %s already happened; reusing its recorded result",
@@ -949,9 +956,10 @@ class RunExecutor:
                     return {"content": outcome.content, "is_error": True}
                 return {"content": outcome.content}
             if isinstance(exc, ToolError):
-                return {"content": str(exc), "is_error": True}
+                return {"content": message_of(exc), "is_error": True}
             if isinstance(exc, LeaseExpired):  # the tool saw the fence: this worker must stop
-                raise LeaseLost(h.run_id, f"{name} stopped at the fence: {exc}") from None
+                raise LeaseLost(
+                    h.run_id, f"{name} stopped at the fence: {message_of(exc)}") from None
             if isinstance(exc, ToolTimeout) and spec.kind is ToolKind.IRREVERSIBLE:
                 # The attempt is named, as after a worker's death: without it a decision on a
                 # re-run's timeout was recorded against attempt 1, which already had one, and
@@ -976,12 +984,13 @@ class RunExecutor:
                 await asyncio.sleep(delay)
                 continue
             if disposition == "abort":
-                raise RunFailed(f"tool {name} failed: {type(exc).__name__}: {exc}") from exc
+                raise RunFailed(
+                    f"tool {name} failed: {type(exc).__name__}: {message_of(exc)}") from exc
             log.info("tool %s raised %s: reported to the model", name, type(exc).__name__)
             # A timeout is a cut-off, not a failure: its thread runs on and may yet take
             # effect. call_tool records it as an unknown outcome (the model is shown the error
             # alone), which a rollback undoes; recorded as a plain error, it never was.
-            return {"content": f"{type(exc).__name__}: {exc}", "is_error": True}
+            return {"content": f"{type(exc).__name__}: {message_of(exc)}", "is_error": True}
 
     async def _call(
         self, h: RunHandle, spec: ToolSpec, ctx: ToolContext, args: dict[str, Any]

@@ -133,6 +133,17 @@ class ToolError(Exception):
     """
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's ``__str__`` raises (a library error
+    that reads an attribute it never set): a tool's failure stays the tool's. Raised while the
+    executor described it, it escaped as the worker's own error, the claim was given up with
+    nothing recorded, and every claim after it called a non-idempotent tool again."""
+    try:
+        return str(exc)
+    except Exception as broken:
+        return f"<its message cannot be read: {type(broken).__name__}>"
+
+
 class ToolCrashed(Exception):
     """A tool raised a BaseException that is not an ``Exception`` (``sys.exit()``,
     ``KeyboardInterrupt``, a ``CancelledError`` of its own, ...).
@@ -142,7 +153,8 @@ class ToolCrashed(Exception):
     """
 
     def __init__(self, tool_name: str, exc: BaseException) -> None:
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        text = message_of(exc)
+        detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         super().__init__(f"tool {tool_name} raised {detail} (a tool cannot stop the worker)")
         self.original = exc
 
@@ -384,6 +396,12 @@ def _error_summary(tool_name: str, err: pydantic.ValidationError) -> str:
     return f"invalid input for tool {tool_name}: " + "; ".join(parts)
 
 
+def not_an_object(tool_name: str, raw_input: object) -> str:
+    """What the model is told of a call whose input is not a JSON object (the tool not called)."""
+    return (f"invalid input for tool {tool_name}: expected a JSON object, "
+            f"got {type(raw_input).__name__}")
+
+
 def _render(value: Any) -> tuple[str, Any]:
     """(content, JSON-able value) for a tool's return value. Never raises: the call returned, so
     its effect happened, and a failure here was taken for the tool's own (the model told it
@@ -406,10 +424,25 @@ def _render(value: Any) -> tuple[str, Any]:
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.done():  # the caller stopped waiting (a timeout, a lost lease, a cancel)
         return
+    if isinstance(exc, StopIteration):
+        # A future refuses it (a TypeError inside this callback, the future never settled: the
+        # call hung until its timeout, then read as one). A coroutine turns it into a
+        # RuntimeError (PEP 479), as an async or inline tool's would be.
+        error = RuntimeError(f"tool raised StopIteration: {message_of(exc)}")
+        error.__cause__ = exc
+        exc = error
     if exc is not None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """A sync tool's return value as :func:`_render` made it, in the tool's thread."""
+
+    content: str
+    value: Any
 
 
 async def _in_daemon_thread(name: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
@@ -561,11 +594,7 @@ class ToolSpec:
         ``inline``: then it is called right here, on the event loop's thread.
         """
         if not isinstance(raw_input, dict):
-            return ToolOutcome(
-                f"invalid input for tool {self.name}: expected a JSON object, "
-                f"got {type(raw_input).__name__}",
-                is_error=True,
-            )
+            return ToolOutcome(not_an_object(self.name, raw_input), is_error=True)
         try:
             validated = self.input_model.model_validate(raw_input)
         except pydantic.ValidationError as err:
@@ -580,11 +609,12 @@ class ToolSpec:
                     result = await result
             else:
                 thread = f"tool-{self.name}-{ctx.run_id}"
-                result = await _in_daemon_thread(thread, self.fn, ctx, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
+                result = await _in_daemon_thread(thread, self._call_and_render, ctx, kwargs)
+                if isinstance(result, _Rendered):
+                    return ToolOutcome(result.content, is_error=False, value=result.value)
+                result = await result  # an awaitable a sync function returned
         except ToolError as err:
-            return ToolOutcome(str(err) or f"tool {self.name} failed", is_error=True)
+            return ToolOutcome(message_of(err) or f"tool {self.name} failed", is_error=True)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -596,6 +626,16 @@ class ToolSpec:
             raise ToolCrashed(self.name, exc) from exc
         content, value = _render(result)
         return ToolOutcome(content, is_error=False, value=value)
+
+    def _call_and_render(self, ctx: ToolContext, kwargs: dict[str, Any]) -> Any:
+        """A sync tool's call, in its thread, and its return value rendered there too: a lazy
+        value (a generator reading a socket, a slow ``__str__``) was consumed on the event loop,
+        outside the call's timeout, stalling every run of the worker and its heartbeat. An
+        awaitable it returns is awaited on the loop."""
+        result = self.fn(ctx, **kwargs)
+        if inspect.isawaitable(result):
+            return result
+        return _Rendered(*_render(result))
 
     def classify(self, exc: BaseException) -> Disposition:
         """What the runtime should do with an exception the tool raised.
@@ -684,7 +724,8 @@ class ToolRegistry:
         return [self._tools[n].definition() for n in names]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._tools
+        # A model's tool name is anyone's JSON: a list there raised TypeError (unhashable).
+        return isinstance(name, str) and name in self._tools
 
     def __len__(self) -> int:
         return len(self._tools)
