@@ -37,6 +37,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -75,6 +76,25 @@ def _ref(kind: str, namespace: str, name: str, uid: str) -> dict[str, Any]:
         "kind": kind,
         "metadata": {"name": name, "namespace": namespace, "uid": uid},
     }
+
+
+def _same_object(agent_run: str, approval_made: str, agent_run_made: str) -> None:
+    """Refuse an approval made before the AgentRun it names was: that object was deleted and
+    created again under its name since (kubectl delete and apply, a GitOps sync), and its run's
+    wait is not the one the approver looked at. An approval that stayed Pending through a
+    database outage decided the new run's identical wait (found by a review on 2026-12-07).
+    Timestamps are whole seconds: one made in the same second as the object is let through."""
+    if not (approval_made and agent_run_made):
+        return
+    try:
+        before = datetime.fromisoformat(approval_made) < datetime.fromisoformat(agent_run_made)
+    except ValueError:
+        return
+    if before:
+        raise _Refused(f"AgentRun {agent_run} was created at {agent_run_made}, after this "
+                       f"approval ({approval_made}): it was deleted and created again since, "
+                       "and its wait is not the one this approval was made for; create a new "
+                       "approval for it")
 
 
 class _Refused(Exception):
@@ -123,9 +143,10 @@ async def approval(
     if status.get("phase") in DONE_PHASES or uid in working.tasks or uid in working.finished:
         return
     app = memo_get(memo, APP, OperatorApp)
+    created = str((body.get("metadata") or {}).get("creationTimestamp") or "")
     working.tasks[uid] = watch(asyncio.create_task(
         _apply(app, namespace or "", name, uid, dict(body.get("spec") or {}),
-               dict(status), lambda: working.done(uid)),
+               dict(status), lambda: working.done(uid), created),
         name=f"approval-{uid}"),
         lambda exc: log.error("AgentRunApproval %s/%s: failed: %s", namespace, name,
                               describe(exc)))
@@ -133,9 +154,10 @@ async def approval(
 
 async def _apply(
     app: OperatorApp, namespace: str, name: str, uid: str, raw: dict[str, Any],
-    status: dict[str, Any], done: Callable[[], object],
+    status: dict[str, Any], done: Callable[[], object], created: str = "",
 ) -> None:
-    """Act on one approval, retrying until it is Applied or Refused (or deleted)."""
+    """Act on one approval, retrying until it is Applied or Refused (or deleted).
+    ``created``: the approval's creationTimestamp."""
     me = _ref("AgentRunApproval", namespace, name, uid)
     waiting_said = False
     attempt = 0
@@ -146,7 +168,7 @@ async def _apply(
     try:
         while True:
             try:
-                await _decide(app, namespace, name, uid, raw, status)
+                await _decide(app, namespace, name, uid, raw, status, created)
                 return
             except asyncio.CancelledError:
                 raise
@@ -180,7 +202,7 @@ async def _apply(
 
 async def _decide(
     app: OperatorApp, namespace: str, name: str, uid: str, raw: dict[str, Any],
-    status: dict[str, Any],
+    status: dict[str, Any], created: str = "",
 ) -> None:
     me = _ref("AgentRunApproval", namespace, name, uid)
     run_ref: dict[str, Any] | None = None
@@ -200,11 +222,17 @@ async def _decide(
         except NotFound:
             raise _Refused(f"no AgentRun {spec.agent_run!r} in namespace {namespace}") from None
         run_ref = _ref("AgentRun", namespace, spec.agent_run, obj["metadata"]["uid"])
+        _same_object(spec.agent_run, created, str(obj["metadata"].get("creationTimestamp") or ""))
         run = await store.get_run_by_k8s_uid(obj["metadata"]["uid"])
         if run is None:
             raise _Refused(f"AgentRun {spec.agent_run} has no run yet (the operator has not "
                            "accepted it); it cannot be waiting for a decision")
         run_id = str(run.id)
+        if status.get("runId") not in (None, run_id):  # read on an earlier try of this approval
+            raise _Refused(f"AgentRun {spec.agent_run} was deleted and created again since this "
+                           f"approval was first read (run {status['runId']} then, {run_id} "
+                           "now); a decision is about the wait its approver looked at: create a "
+                           "new approval for this one", run_id)
         current_run_id.set(run_id)  # for this task's lines after this try too (_apply's)
         decision = VERDICTS[spec.decision]
         call = status.get("call") if status.get("runId") == run_id else None

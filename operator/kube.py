@@ -117,13 +117,34 @@ class KubeApi:
                 GROUP, VERSION, AGENTRUNS_PLURAL, limit=1, _request_timeout=request_timeout))
         # kopf also takes glob patterns ("team-*", "!kube-*"): no list can name those.
         concrete = [ns for ns in namespaces if not any(c in ns for c in "*?[!")]
-        if namespaces and not concrete:
+        served = 0
+        for ns in concrete:
+            try:
+                await self._call("probe", partial(
+                    self.custom.list_namespaced_custom_object, GROUP, VERSION, ns,
+                    AGENTRUNS_PLURAL, limit=1, _request_timeout=request_timeout))
+            except ApiException as exc:
+                # A watched namespace deleted takes the chart's Role in it along: 403 there for
+                # good, and the operator was never Ready again while it served the others.
+                if exc.status != 403 or await self.namespace_exists(ns, request_timeout):
+                    raise
+            else:
+                served += 1
+        if namespaces and not served:  # nothing listed: reachability and credentials alone
             version = kubernetes.client.VersionApi(self.api_client)
             await self._call("probe", partial(version.get_code, _request_timeout=request_timeout))
-        for ns in concrete:
-            await self._call("probe", partial(
-                self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, AGENTRUNS_PLURAL,
-                limit=1, _request_timeout=request_timeout))
+
+    async def namespace_exists(self, name: str, request_timeout: float | None = None) -> bool:
+        """Whether namespace ``name`` exists (terminating counts), by the list of namespaces the
+        operator may read when it watches named namespaces (kopf's namespace observer). True
+        when it may not ask: absent is what lets a caller treat a refusal as nothing to serve."""
+        try:
+            found: Any = await self._call("list_namespaces", partial(
+                self.core.list_namespace, field_selector=f"metadata.name={name}", limit=1,
+                _request_timeout=request_timeout))
+        except ApiException:
+            return True
+        return bool(found.items)
 
     async def _json_patch(self, plural: str, namespace: str, name: str,
                           ops: list[dict[str, Any]], *, status: bool = False) -> None:
@@ -153,6 +174,11 @@ class KubeApi:
                 raise Gone(
                     f"AgentRun {namespace}/{name} was deleted and re-created (uid {uid} is gone)"
                 ) from None
+            if exc.status == 403 and not await self.namespace_exists(namespace):
+                # A watched namespace deleted while the operator was down: its Role went with
+                # it, so 403, not 404, and its runs were never cancelled.
+                raise Gone(f"AgentRun {namespace}/{name}: namespace {namespace} was deleted"
+                           ) from None
             raise
 
     async def consume_annotation(

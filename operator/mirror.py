@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from kubernetes.client.exceptions import ApiException
+
 from agentrun.operator.kube import Gone, KubeApi
 from agentrun.operator.metrics import OperatorMetrics
 from agentrun.operator.status import (
@@ -312,6 +314,15 @@ class StatusMirror:
             if self.on_gone is not None:
                 await self.on_gone(t, run)  # a database error here: found gone again later
             self.gone.add(t.uid)
+            return False
+        except ApiException as exc:
+            if exc.status is None or exc.status >= 500 or exc.status == 429:
+                raise  # the API server's trouble: the loop backs off
+            # One object's refusal (a policy, a quota on status writes) must not hold up the
+            # others queued behind it; the next resync finds this status behind again.
+            log.warning("AgentRun %s/%s: status not written: %s %s; again at the next resync",
+                        t.namespace, t.name, exc.status, exc.reason,
+                        extra={"run_id": str(run.id if run else t.run_id)})
             return False
         self.metrics.status_patches.inc()
         return True

@@ -1260,3 +1260,15 @@ def test_notes_print_the_next_commands(tmp_path: Path) -> None:
         f"helm test {RELEASE} -n {NAMESPACE}",
     ):
         assert command in notes, command
+
+
+def test_a_full_name_too_long_for_the_charts_service_names_is_refused_in_one_line() -> None:
+    """A fullname of 47 or 48 characters passed the worker Deployment's check (the default pool)
+    and rendered: helm install then failed at the API server, "must be no more than 63
+    characters", on the operator's Services, half made (found by a review on 2026-12-07)."""
+    err = refused(*SECRETS, "--set", f"fullnameOverride=agentrun-{'x' * 38}")
+    assert "is 47 characters" in err and "-operator-metrics" in err, err
+    assert "at most 46 characters, or set fullnameOverride" in err, err
+    docs = template(*SECRETS, "--set", f"fullnameOverride=agentrun-{'x' * 37}")
+    names = [d["metadata"]["name"] for d in of_kind(docs, "Service")]
+    assert max(len(n) for n in names) == 63, names

@@ -16,13 +16,14 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentrun.kubeapprovals import ApprovalRefused, AsyncKubeApprovals
-from agentrun.store import Run, Store
+from agentrun.store import K8sRef, Run, Store
 from tests.conftest import run_cli
 from tests.kubekit import OperatorProc, Operators, agent_manifest, agentrun_manifest, eventually
 from tests.realkube import (
@@ -34,7 +35,7 @@ from tests.realkube import (
     wait_until,
     write_token_kubeconfig,
 )
-from tests.workerkit import wait_run
+from tests.workerkit import AGENT, wait_run
 
 APPROVALS = "agentrunapprovals"
 
@@ -666,3 +667,46 @@ async def test_an_operator_killed_after_an_annotations_retry_never_retries_again
         (kube.agentrun("flaky") or {})["metadata"].get("annotations") or {})
     again = await store.get_run(rid)
     assert (again.status, again.retries) == ("failed", 1)
+
+
+async def test_an_approval_never_decides_for_an_agentrun_created_again_after_it(
+    kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
+    store: Store,
+) -> None:
+    """alice approves migrate's wait; before the operator acts on it (it is down, or the
+    database is), migrate is deleted and created again under its name, and its new run reaches
+    the same wait. The approval decided that run, which alice never saw, in her name (found by
+    a review on 2026-12-07). It is refused: the AgentRun is younger than the approval."""
+    alice = users("alice", "approver")
+    first = operator()
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    old = await waiting_run(kube, store, "migrate")
+    first.stop()
+    policy_active(kube, alice)
+    code, out = alice.create_approval(approval("migrate", 0, "approve", alice.username,
+                                               name="alice-0"))
+    assert code == 201, out
+    made = datetime.fromisoformat(
+        kube.get(f"{AGENTRUNS}/namespaces/{kube.namespace}/{APPROVALS}/alice-0")
+        ["metadata"]["creationTimestamp"])
+    assert kube.delete_agentrun("migrate") == 200
+    await eventually(lambda: kube.agentrun("migrate") is None, 15, "migrate deleted")
+    # Timestamps are whole seconds: the new object is made in a later one than the approval.
+    await eventually(lambda: datetime.now(UTC).replace(microsecond=0) > made, 5, "a new second")
+    obj = kube.apply_agentrun(agentrun_manifest("migrate"))
+    # Its run, waiting on the same step, as the operator would make it (it is down).
+    new, _ = await store.create_run(
+        "again", AGENT.model_copy(update={"require_approval": True}),
+        k8s=K8sRef(kube.namespace, "migrate", obj["metadata"]["uid"]))
+    claimed = (await store.with_lease_ttl(60).claim("default", "w", limit=10)).claimed
+    [lease] = [lease for _, lease in claimed if lease.run_id == new.id]
+    await store.wait_for_approval(lease, "approval required before drop_table (step 0)", {
+        "seq": 0, "call_index": 0, "tool": "drop_table", "input": {"table": "orders"},
+        "stage": "before_call"})
+    operator()
+    refused = await settled(kube, "alice-0")
+    assert refused["phase"] == "Refused", refused
+    assert "deleted and created again" in refused["message"], refused
+    now = await store.get_run(new.id)
+    assert (now.status, now.pending_call is not None) == ("waiting_approval", True)
+    assert old.id != new.id

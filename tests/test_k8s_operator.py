@@ -41,7 +41,7 @@ from agentrun.store import K8sRef, Run, Store
 from tests.conftest import run_cli
 from tests.kubekit import Operators, agent_manifest, agentrun_manifest, eventually
 from tests.proxykit import TcpProxy
-from tests.realkube import AGENTRUNS, Kube, Release, install_chart
+from tests.realkube import AGENTRUNS, Kube, Release, install_chart, new_namespace
 from tests.workerkit import AGENT, FakeFactory, Workers, echo_scenario, free_port, wait_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1687,3 +1687,114 @@ async def test_a_background_task_that_dies_stops_the_operator_with_a_line_saying
             "9999, newer than this agentrun knows") in out, out[-3000:]
     assert "; upgrade agentrun); stopping the operator" in out, out[-3000:]
     assert "Task exception was never retrieved" not in out
+
+
+async def test_a_watched_namespace_deleted_while_the_operator_was_down_cancels_its_runs(
+    kube: Kube, admin_kube: Kube, store: Store, database_url: str, tmp_path: Path
+) -> None:
+    """With operator.watchNamespaces, a deleted namespace takes the chart's Role in it along:
+    the API server answers 403 there, not 404. A run whose object went with a namespace deleted
+    while the operator was down was never cancelled (its status patch's 403 was no Gone), and
+    the readiness check's 403 kept the operator not Ready for good while it served the other
+    namespace (found by a review on 2026-12-07)."""
+    team_a, team_b = new_namespace(admin_kube), new_namespace(admin_kube)
+    rel = install_chart(kube, kube.namespace, *CHART_VALUES,
+                        f"operator.watchNamespaces={{{team_a},{team_b}}}")
+    a, b = kube.for_namespace(team_a), kube.for_namespace(team_b)
+    ops = NsOperators(_Kubeconfig(rel.kubeconfig_for(rel.operator_sa, tmp_path)),  # type: ignore[arg-type]
+                      database_url, tmp_path, namespace=f"{team_a},{team_b}")
+    try:
+        first = ops.start()
+        for team in (a, b):
+            team.apply_agent(agent_manifest())
+        a.apply_agentrun(agentrun_manifest("kept"))
+        b.apply_agentrun(agentrun_manifest("doomed"))
+        kept, doomed = await run_of(store, a, "kept"), await run_of(store, b, "doomed")
+        first.stop()
+        assert admin_kube.request("DELETE", f"/api/v1/namespaces/{team_b}")[0] == 200
+        await eventually(lambda: admin_kube.get(f"/api/v1/namespaces/{team_b}") is None, 120,
+                         f"namespace {team_b} gone")
+        port = free_port()
+        again = ops.start(env={"AGENTRUN_HEALTH_INTERVAL": "0.5"},
+                          extra=["--health-port", str(port)])
+        await wait_run(store, doomed.id, lambda r: r.status == "cancelled", 60)
+        await eventually(lambda: readyz(port)[0] == 200, 60, "Ready, serving the namespace left")
+        assert (await store.get_run(kept.id)).status == "pending"
+        assert again.popen.poll() is None
+        said = again.output()
+        assert f"namespace {team_b} was deleted" in said, said[-3000:]
+        assert "forbidden" not in said.lower(), said[-3000:]
+        # The control: a namespace that exists and refuses still fails the check.
+        config = rel.kubeconfig_for(rel.operator_sa, tmp_path)
+        import kubernetes
+        from kubernetes.client.exceptions import ApiException
+        api = KubeApi(kubernetes.config.new_client_from_config(config_file=str(config)))
+        try:
+            await api.probe([team_a, team_b], 5)
+            with pytest.raises(ApiException) as refused:
+                await api.probe([team_a, kube.namespace], 5)  # no Role there: not watched
+            assert refused.value.status == 403
+        finally:
+            api.close()
+    finally:
+        ops.stop_all()
+        kube.helm("uninstall", rel.name, "-n", kube.namespace, "--wait=false", check=False)
+        for ns in (team_a, team_b):
+            admin_kube.request("DELETE", f"/api/v1/namespaces/{ns}")
+
+
+async def test_a_status_patch_refused_for_one_object_holds_up_none_of_the_others(
+    cluster: Kube, admin_kube: Kube, operators: NsOperators, store: Store
+) -> None:
+    """One object whose status patches the API server refuses (an admission policy here): the
+    flush of a batch of changed runs stopped at it, and the objects sorted after it were patched
+    only at a resync, which stopped at it again (found by a review on 2026-12-07)."""
+    ns = cluster.namespace
+    vap = f"refuse-status-{ns}"
+    policies = "/apis/admissionregistration.k8s.io/v1"
+    admin_kube.create(f"{policies}/validatingadmissionpolicies", {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": vap},
+        "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": [{
+            "apiGroups": ["agentrun.dev"], "apiVersions": ["*"], "operations": ["UPDATE"],
+            "resources": ["agentruns/status"]}]},
+            "validations": [{
+                "expression": "!has(object.metadata.labels) || "
+                              "!('refuse-status' in object.metadata.labels)",
+                "message": "status refused for this test", "reason": "Invalid"}]}})
+    admin_kube.create(f"{policies}/validatingadmissionpolicybindings", {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding", "metadata": {"name": vap},
+        "spec": {"policyName": vap, "validationActions": ["Deny"], "matchResources": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}}})
+    try:
+        operators.start(env={"AGENTRUN_RESYNC_INTERVAL": "3600"})
+        cluster.apply_agent(agent_manifest())
+        names = [f"r{i}" for i in range(6)]
+        for name in names:
+            cluster.apply_agentrun(agentrun_manifest(name))
+        runs = {name: await run_of(store, cluster, name) for name in names}
+        # The first of a flush's batch (sorted by run id) is the one refused.
+        first = min(names, key=lambda n: runs[n].id)
+        cluster.patch(f"{AGENTRUNS}/namespaces/{ns}/agentruns/{first}",
+                      {"metadata": {"labels": {"refuse-status": "yes"}}})
+
+        def enforced() -> bool:  # a new policy takes a moment to reach the admission plugin
+            code, _ = admin_kube.request(
+                "PATCH", f"{AGENTRUNS}/namespaces/{ns}/agentruns/{first}/status?dryRun=All",
+                {"status": {"message": "probe"}}, "application/merge-patch+json")
+            return code == 422
+
+        await eventually(enforced, 60, "the test's admission policy to be enforced")
+        async with store.pool.connection() as conn:  # one commit: one batch of notifications
+            await conn.execute(
+                "UPDATE agent_run SET status = 'cancelled', error = 'cancelled: test',"
+                " finished_at = now() WHERE id = ANY(%s)", ([r.id for r in runs.values()],))
+        for name in names:
+            if name != first:
+                await eventually(lambda n=name: status(cluster, n).get("phase") == "cancelled",
+                                 30, f"{name}'s status to say cancelled")
+        assert status(cluster, first).get("phase") == "pending"
+    finally:
+        admin_kube.delete(f"{policies}/validatingadmissionpolicybindings/{vap}")
+        admin_kube.delete(f"{policies}/validatingadmissionpolicies/{vap}")

@@ -17,8 +17,16 @@
 {{- end -}}
 {{- end -}}
 
+{{/* Checked here, where every render passes: the longest name derived from the fullname is a
+     Service's, "<fullname>-operator-metrics" (17 more), and a Service name is at most 63
+     characters. Longer, helm template rendered it and the install failed at the API server,
+     half made. */}}
 {{- define "agentrun.operatorName" -}}
-{{- printf "%s-operator" (include "agentrun.fullname" .) -}}
+{{- $full := include "agentrun.fullname" . -}}
+{{- if gt (len $full) 46 -}}
+{{- fail (printf "the release's full name %q is %d characters; the chart names a Service %q, longer than the 63 Kubernetes allows: use a release name of at most 46 characters, or set fullnameOverride" $full (len $full) (printf "%s-operator-metrics" $full)) -}}
+{{- end -}}
+{{- printf "%s-operator" $full -}}
 {{- end -}}
 
 {{- define "agentrun.workerSAName" -}}

@@ -702,8 +702,9 @@ UPDATE agent_run r
 RETURNING r.*;
 
 -- k8s_runs_by_id --
--- The operator's status flush: the runs it was notified about, in one round trip.
-SELECT * FROM agent_run WHERE id = ANY(%(ids)s) AND k8s_uid IS NOT NULL;
+-- The operator's status flush: the runs it was notified about, in one round trip, in the order
+-- of their ids (a flush patches them in a known order, whatever the plan).
+SELECT * FROM agent_run WHERE id = ANY(%(ids)s) AND k8s_uid IS NOT NULL ORDER BY id;
 
 -- k8s_live_runs --
 -- The operator's resync (served by agent_run_k8s_live_idx).
