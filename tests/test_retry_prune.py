@@ -171,6 +171,25 @@ async def test_retry_refuses_live_and_rolled_back_runs(store: Store, database_ur
     assert bad.returncode == 2, bad
 
 
+async def test_a_second_retry_says_the_run_was_retried_already(
+    store: Store, database_url: str
+) -> None:
+    """Two humans retry one dead-lettered run: the second was told the run "is still pending",
+    true but not why; it now names the retry that came first, by its reason."""
+    run, _ = await store.create_run("poison", AGENT.model_copy(), max_attempts=1)
+    ((_, lease),) = (await store.claim("default", "w")).claimed
+    await store.abandon(lease, "worker died")
+    claimed = await store.claim("default", "w")
+    assert claimed.claimed == []  # the cap: dead-lettered instead of claimed
+    assert (await store.get_run(run.id)).status == "dead_letter"
+    first = cli(database_url, "retry", str(run.id), "--reason", "alice: fixed the tool")
+    assert first.returncode == 0, first.stderr
+    second = cli(database_url, "retry", str(run.id), "--reason", "bob: retrying")
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second
+    assert ("is still pending (retried 1 time(s); the latest retry: alice: fixed the tool)"
+            in second.stderr), second.stderr
+
+
 async def test_restart_makes_a_new_run_with_the_same_spec(
     store: Store, workers: Workers, fake: FakeFactory, database_url: str
 ) -> None:

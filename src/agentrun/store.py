@@ -1783,7 +1783,11 @@ class Store:
             compensations = int((await count.fetchone() or (0,))[0])
         now = await self.get_run(rid)  # RunNotFound for an unknown id
         if not now.finished:
-            raise ConfigError(f"run {rid} is still {now.status}; only a failed or "
+            # Retried already (two humans at once, or a retry after a retry): say so, with the
+            # retry's own reason, not only that the run is live.
+            retried = (f" (retried {now.retries} time(s); the latest retry: "
+                       f"{now.retry_reason or 'no reason given'})" if now.retries else "")
+            raise ConfigError(f"run {rid} is still {now.status}{retried}; only a failed or "
                               "dead-lettered run can be retried")
         if now.status in RETRYABLE_STATUSES and compensations:
             raise ConfigError(
