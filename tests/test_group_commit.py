@@ -17,6 +17,7 @@ from uuid import UUID
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentrun.errors import DuplicateStep, LeaseLost, RunCancelled
 from agentrun.group_commit import AppendStats, GroupCommit
@@ -24,6 +25,7 @@ from agentrun.manifests import AgentSpec
 from agentrun.sql import queries
 from agentrun.store import CHANNEL_RUN_STEPS, Lease, Store
 from agentrun.worker.health import WorkerMetrics
+from tests.proxykit import TcpProxy
 from tests.test_store import expire_lease
 
 AGENT = AgentSpec(model="claude-sonnet-4-5", system="s")
@@ -575,3 +577,61 @@ async def test_a_batch_that_committed_stands_when_the_explanation_of_its_misses_
     for lease in leases[:3]:
         assert len(await store.steps(lease.run_id)) == 1
     assert await store.steps(leases[3].run_id) == []
+
+
+# -- found by a review on 2026-12-07 -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [{"x": {1, 2}}, {"x": 10**5000}], ids=["set", "huge-int"])
+async def test_a_payload_json_cannot_encode_fails_only_its_own_caller(
+    store: Store, sent: Sent, bad: Any
+) -> None:
+    """The encoder refuses it before anything is sent: every run of its batch got its error."""
+    leases = await held_runs(store, 4)
+    with pytest.raises((TypeError, ValueError)):  # what a lone append raises for it
+        await store.append_step(leases[0], 5, "note", bad)
+    sent.kinds.clear()
+
+    async def one(i: int, lease: Lease) -> Any:
+        return await store.append_step(lease, 0, "note", bad if i == 2 else {"n": i})
+
+    results = await asyncio.gather(*(one(i, lease) for i, lease in enumerate(leases)),
+                                   return_exceptions=True)
+    assert sent.kinds[:2] == ["one", "batch"]  # leases[0] alone; 1, 2 and 3 as one batch
+    assert isinstance(results[2], (TypeError, ValueError))
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False], results
+    for i, lease in enumerate(leases):
+        assert len(await store.steps(lease.run_id)) == (0 if i == 2 else 1)
+
+
+async def test_a_batch_on_a_connection_that_stopped_answering_holds_up_no_later_append(
+    database_url: str,
+) -> None:
+    """A batch black-holed in flight (no reset: a peer that acknowledges and never answers).
+    The worker's stall handling cancels the runs' tasks, which stopped their futures but not
+    the drainer sending the batch: every later append of every run of the worker queued behind
+    it, for good. Now the batch is stopped once nobody waits for it."""
+    parts = conninfo_to_dict(database_url)
+    proxy = TcpProxy((str(parts.get("host") or "127.0.0.1"), int(parts.get("port") or 5432)))
+    proxy.start()
+    try:
+        parts.update(host="127.0.0.1", port=str(proxy.port))
+        async with await Store.open(make_conninfo(**parts), max_size=10) as store:
+            leases = await held_runs(store, 5)
+            marker = "black-hole-7f3a"
+            trap = proxy.trap(marker.encode())
+            # leases[0]'s append goes alone; 1 to 3 queue and go out as one batch, which the
+            # proxy black-holes (the marker is in it).
+            tasks = [asyncio.create_task(store.append_step(
+                lease, 0, "note", {"m": marker if i == 2 else i}))
+                for i, lease in enumerate(leases[:4])]
+            await tasks[0]
+            await asyncio.to_thread(trap.sprung.wait)
+            for t in tasks[1:]:  # what the stall handling does to the stuck runs
+                t.cancel()
+            await asyncio.gather(*tasks[1:], return_exceptions=True)
+            # Another run of the worker appends; the pool has healthy connections.
+            await asyncio.wait_for(store.append_step(leases[4], 0, "note", {"n": 4}), 120)
+            assert len(await store.steps(leases[4].run_id)) == 1
+    finally:
+        proxy.stop()

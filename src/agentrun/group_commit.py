@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -36,6 +36,22 @@ S = TypeVar("S")
 #: (queries.sql append_steps), n x n comparisons: negligible at 128, not at thousands. A worker
 #: rarely holds more runs; more wait for the next statement.
 MAX_BATCH = 128
+
+
+#: How long a batch whose callers all stopped waiting is given to end once stopped (psycopg
+#: sends the server a cancel request, and closes a connection that does not answer it).
+ABANDON_GRACE = 10.0
+
+
+async def _until_done_or_abandoned(
+    sending: asyncio.Future[Any], callers: list[asyncio.Future[R]]
+) -> None:
+    """Until ``sending`` is done, or every one of ``callers`` is (cancelled: nobody waits)."""
+    while not sending.done():
+        waiting = [f for f in callers if not f.done()]
+        if not waiting:
+            return
+        await asyncio.wait([sending, *waiting], return_when=asyncio.FIRST_COMPLETED)
 
 
 @dataclass
@@ -168,9 +184,35 @@ class GroupCommit(Generic[T, R, S]):
 
     async def _one_batch(self, batch: list[tuple[T, asyncio.Future[R]]], session: S) -> bool:
         """Send one batch and answer its callers; False if it failed whole (the session may be
-        broken: the next batch gets another)."""
+        broken: the next batch gets another).
+
+        The statement is sent on a task of its own, stopped once every caller of the batch has
+        stopped waiting for it (their runs stalled, their leases lost: their tasks cancelled).
+        A batch on a connection that stopped answering without a reset held the drainer, and
+        every later append of every run of the worker queued behind it, for as long as the
+        kernel kept the connection (for ever behind a peer that acknowledges and never answers);
+        a lone append is on its caller's task, and stops with it."""
+        items = [item for item, _ in batch]
+
+        async def send() -> Sequence[R | Exception]:
+            return await self._send(items, session)
+
+        sending = asyncio.get_running_loop().create_task(send(), name="group commit")
         try:
-            outcomes = await self._send([item for item, _ in batch], session)
+            await _until_done_or_abandoned(sending, [f for _, f in batch])
+        except BaseException:
+            sending.cancel()
+            raise
+        if not sending.done():
+            sending.cancel()
+            # Bounded: a driver that cannot interrupt its wait is left behind; the session it
+            # holds is given back in use, and the pool closes it.
+            await asyncio.wait({sending}, timeout=ABANDON_GRACE)
+            if sending.done() and not sending.cancelled():
+                sending.exception()  # retrieved: nobody waits for it any more
+            return False
+        try:
+            outcomes = sending.result()
         except Exception as exc:
             # Nothing of the statement was applied: each caller gets what a lone append would
             # have raised.

@@ -1243,11 +1243,12 @@ class Store:
         try:
             cur = await conn.execute(queries["append_steps"], params)
             written: dict[UUID, datetime] = {row[0]: row[1] for row in await cur.fetchall()}
-        except (psycopg.IntegrityError, psycopg.DataError, *ROLLED_BACK):
+        except (psycopg.IntegrityError, psycopg.DataError, *ROLLED_BACK, TypeError, ValueError):
             # The statement failed whole, so nothing of it was applied: a value a column refuses,
             # a duplicate that raced the statement's check (a concurrent append of the same seq),
-            # or a deadlock PostgreSQL broke by failing it. Each append again on its own, so each
-            # caller gets its own answer.
+            # or a deadlock PostgreSQL broke by failing it; or, before anything was sent, a
+            # payload the JSON encoder refuses (a set, an int of 5,000 digits), which failed every
+            # run of the batch. Each append again on its own, so each caller gets its own answer.
             self.append_stats.fallbacks += 1
             return await _outcomes(self._append_one(a, conn) for a in batch)
         missed = [a for a in batch if a.lease.run_id not in written]
