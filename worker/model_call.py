@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -210,9 +211,15 @@ def _retry_after(exc: Exception) -> float | None:
         return None
     raw = response.headers.get("retry-after")
     try:
-        return float(raw) if raw is not None else None
+        value = float(raw) if raw is not None else None
     except ValueError:
         return None
+    # A negative one retried at once, all retries in milliseconds against a provider asking to
+    # wait, and a nan slept for ever (asyncio.sleep(nan)): both are the policy's backoff instead.
+    # An infinite one is the longest wait the policy allows (RetryPolicy.delay).
+    if value is None or math.isnan(value) or value < 0:
+        return None
+    return value
 
 
 def _error_body(exc: anthropic.APIStatusError) -> dict[str, Any]:
@@ -535,8 +542,8 @@ async def _read_stream(
                         mu[key] = usage[key]
             elif kind == "message_stop":
                 for i, buf in json_bufs.items():
-                    if buf:  # the SDK's own parser, in its mode, for the same input values
-                        message["content"][i]["input"] = from_json(buf, partial_mode=True)
+                    if buf:
+                        message["content"][i]["input"] = _whole_input(buf, i)
                 # Read the response to its end, as the SDK does: one closed before its end
                 # takes its connection with it, and every turn would pay a new one.
                 async for _ in chunks:
@@ -545,6 +552,20 @@ async def _read_stream(
     # The SDK would hand out whatever it assembled (no stop_reason, maybe no content): it is not
     # a turn, and committing it would put a broken message into the history.
     raise MalformedStream("malformed stream: it ended before message_stop")
+
+
+def _whole_input(buf: bytes, index: int) -> Any:
+    """A tool_use block's input from its ``input_json_delta`` pieces, which must make one whole
+    JSON value. The SDK parses them in partial mode, which drops an unfinished value and keeps a
+    number cut short: a lost delta ({"to": "bob", "amount": 10 of 1000}) was run, and recorded as
+    the model's call. A stream that does not add up to its message is malformed (retried)."""
+    try:
+        return from_json(buf)
+    except ValueError as exc:
+        raise MalformedStream(
+            f"malformed stream: the input of content block {index} is not whole JSON "
+            f"({' '.join(str(exc).split())[:200]})"
+        ) from None
 
 
 async def _stream_turn_sdk(
@@ -556,6 +577,7 @@ async def _stream_turn_sdk(
     async with client.messages.stream(**canonical_request(request)) as stream:
         events = aiter(stream)
         first, stopped = True, False
+        json_bufs: dict[int, bytes] = {}  # each tool input's pieces, checked whole (_whole_input)
         while True:
             try:
                 event = await anext(events)
@@ -569,6 +591,12 @@ async def _stream_turn_sdk(
                 on_first_event()
             first = False
             stopped = stopped or event.type == "message_stop"
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                piece = escape_surrogates(event.delta.partial_json)
+                json_bufs[event.index] = json_bufs.get(event.index, b"") + piece
+        for i, buf in json_bufs.items():
+            if buf:
+                _whole_input(buf, i)
         if not stopped:
             # The SDK hands out whatever it assembled (no stop_reason, maybe no content): it is
             # not a turn, and committing it would put a broken message into the history.
