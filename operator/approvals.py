@@ -225,6 +225,10 @@ async def _decide(
         _same_object(spec.agent_run, created, str(obj["metadata"].get("creationTimestamp") or ""))
         run = await store.get_run_by_k8s_uid(obj["metadata"]["uid"])
         if run is None:
+            pruned = (obj.get("status") or {}).get("runId")
+            if pruned:  # the annotations' words (handlers.actions): not "not accepted yet"
+                raise _Refused(f"run {pruned} was pruned from the store; there is nothing to "
+                               "act on", str(pruned))
             raise _Refused(f"AgentRun {spec.agent_run} has no run yet (the operator has not "
                            "accepted it); it cannot be waiting for a decision")
         run_id = str(run.id)

@@ -16,7 +16,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -710,3 +710,36 @@ async def test_an_approval_never_decides_for_an_agentrun_created_again_after_it(
     now = await store.get_run(new.id)
     assert (now.status, now.pending_call is not None) == ("waiting_approval", True)
     assert old.id != new.id
+
+
+async def test_an_approval_names_an_agentrun_by_an_object_name_and_a_pruned_run_says_so(
+    kube: Kube, users: Callable[[str, str], User], operator: Callable[..., OperatorProc],
+    store: Store,
+) -> None:
+    """spec.agentRun went into the operator's GET path as it was: "." read the namespace's list
+    (a traceback, no status), ".." and "a/b" a 403 retried for ever as an outage, and
+    "migrate/status" decided migrate through its status subresource. The API server now refuses
+    anything but an object name. And an approval of an AgentRun whose run was pruned said the
+    operator had not accepted it yet (found by a review on 2026-12-07)."""
+    alice = users("alice", "approver")
+    operator()
+    kube.apply_agent(agent_manifest(requireApproval=True))
+    run = await waiting_run(kube, store, "migrate")
+    policy_active(kube, alice)
+    for target in (".", "..", "migrate/x", "migrate/status", "Migrate"):
+        code, out = alice.create_approval(approval(target, 0, "approve", alice.username,
+                                                   name="odd", call=0))
+        assert code == 422 and "spec.agentRun" in str(out), (target, code, out)
+    assert (await store.get_run(run.id)).status == "waiting_approval"
+    await store.cancel(run.id, "done with it")
+    await eventually(lambda: ((kube.agentrun("migrate") or {}).get("status") or {}).get("phase")
+                     == "cancelled", 15, "the cancel mirrored")
+    assert (await store.prune_batch(datetime.now(UTC) + timedelta(hours=1), ["cancelled"],
+                                    10)).runs == 1
+    code, out = alice.create_approval(approval("migrate", 0, "approve", alice.username,
+                                               name="late", call=0))
+    assert code == 201, out
+    refused = await settled(kube, "late")
+    assert refused["phase"] == "Refused", refused
+    assert refused["message"] == (f"run {run.id} was pruned from the store; there is nothing to "
+                                  "act on"), refused

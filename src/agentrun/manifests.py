@@ -40,6 +40,9 @@ API_VERSION = "agentrun.dev/v1alpha1"
 #: maxLength and pydantic's max_length both count them.
 MAX_TEXT = 65536  # task, system prompt
 MAX_NAME = 253  # a Kubernetes object name (DNS subdomain); also a model id
+#: An object name another object refers to (a DNS subdomain, RFC 1123), checked where the name
+#: goes into an API path: "." named the namespace's list, "a/status" a subresource.
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 MAX_TOOLS = 128
 #: The worker registry's tool names (agentrun.tools._TOOL_NAME_RE): no other name can be served.
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]+$"
@@ -349,6 +352,7 @@ class AgentRunApprovalSpec(_Spec):
         alias="agentRun",
         min_length=1,
         max_length=MAX_NAME,
+        pattern=OBJECT_NAME_PATTERN,
         description="Name of the AgentRun (in the same namespace) whose call is decided.",
     )
     seq: int = Field(
