@@ -594,13 +594,13 @@ async def _stream_turn_sdk(
             if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
                 piece = escape_surrogates(event.delta.partial_json)
                 json_bufs[event.index] = json_bufs.get(event.index, b"") + piece
-        for i, buf in json_bufs.items():
-            if buf:
-                _whole_input(buf, i)
         if not stopped:
             # The SDK hands out whatever it assembled (no stop_reason, maybe no content): it is
             # not a turn, and committing it would put a broken message into the history.
             raise MalformedStream("malformed stream: it ended before message_stop")
+        for i, buf in json_bufs.items():
+            if buf:
+                _whole_input(buf, i)
         message = await stream.get_final_message()
         request_id = stream.request_id
     return ModelTurn(

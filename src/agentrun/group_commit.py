@@ -200,8 +200,10 @@ class GroupCommit(Generic[T, R, S]):
         sending = asyncio.get_running_loop().create_task(send(), name="group commit")
         try:
             await _until_done_or_abandoned(sending, [f for _, f in batch])
-        except BaseException:
+        except BaseException:  # the drainer cancelled (the loop is closing): nobody answers
             sending.cancel()
+            for _, future in batch:
+                future.cancel()
             raise
         if not sending.done():
             sending.cancel()
