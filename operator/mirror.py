@@ -102,6 +102,11 @@ class TokenBucket:
             await asyncio.sleep((1 - self.tokens) / self.rate)
 
 
+#: Statuses a resync found behind, applied after each batch of changes (the rest once the
+#: changes stop).
+STALE_PER_BATCH = 16
+
+
 class StatusMirror:
     def __init__(
         self,
@@ -219,11 +224,22 @@ class StatusMirror:
             for run in await store.k8s_runs(sorted(ids)):
                 self._stale.pop(run.id, None)
                 await self.apply(run)
-        while self._stale and not self._dirty:
+            # Some of a resync's corrections beside each batch of changes: under churn (runs
+            # finishing every moment) they waited for a quiet moment that never came, and a
+            # pending run of a full namespace never said QuotaExceeded (found by CI).
+            await self._apply_stale(STALE_PER_BATCH)
+        await self._apply_stale(None)
+        return read
+
+    async def _apply_stale(self, limit: int | None) -> None:
+        """Apply up to ``limit`` of the statuses a resync found behind (None: as long as no
+        change waits)."""
+        done = 0
+        while self._stale and (not self._dirty if limit is None else done < limit):
             _, run = next(iter(self._stale.items()))
             del self._stale[run.id]
             await self.apply(run)
-        return read
+            done += 1
 
     async def resync(self, store: Store) -> None:
         """Read every live run of an AgentRun object; queue the ones whose status is behind."""
