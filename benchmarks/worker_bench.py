@@ -198,8 +198,8 @@ def spread(samples: list[float]) -> dict[str, float]:
 
 #: Each round runs these in this order: an in-memory loop, then a durable loop, and so on, each
 #: durable variant next to the in-memory one it is compared with.
-LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "dur_no_carry", "seed",
-         "dur_old")
+LOOPS = ("mem", "dur", "mem_thread", "dur_thread", "dur_no_overlap", "dur_no_pipeline",
+         "dur_no_carry", "seed", "dur_old")
 
 
 def worker_client(base_url: str) -> AsyncAnthropic:
@@ -209,12 +209,14 @@ def worker_client(base_url: str) -> AsyncAnthropic:
 
 def bench_executor(store: Store, client: AsyncAnthropic, registry: ToolRegistry,
                    metrics: WorkerMetrics | None = None, *, overlap: bool = True,
-                   carry: bool = True) -> RunExecutor:
+                   carry: bool = True, pipeline: bool = True) -> RunExecutor:
     """The shipped executor as the durable loop runs it: the worker's client, no retries, never
-    draining; ``overlap`` and ``carry`` off are the levers' "off" variants."""
+    draining; ``overlap``, ``carry`` and ``pipeline`` off are the levers' "off" variants (no
+    carried mark, no pipelining either: a pipelined turn's mark is the carried one)."""
     metrics = metrics or WorkerMetrics()
     return RunExecutor(store, Providers(default=client), registry, metrics, Health(60, metrics),
-                       NO_RETRY, is_draining=lambda: False, overlap=overlap, carry_mark=carry)
+                       NO_RETRY, is_draining=lambda: False, overlap=overlap, carry_mark=carry,
+                       pipeline=pipeline)
 
 
 async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str, Any]:
@@ -227,15 +229,18 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     metrics = WorkerMetrics()
     inline, thread = registry_for(True), registry_for(False)
 
-    def executor(registry: ToolRegistry, overlap: bool, carry: bool = True) -> RunExecutor:
-        return bench_executor(store, client, registry, metrics, overlap=overlap, carry=carry)
+    def executor(registry: ToolRegistry, overlap: bool, carry: bool = True,
+                 pipeline: bool = True) -> RunExecutor:
+        return bench_executor(store, client, registry, metrics, overlap=overlap, carry=carry,
+                              pipeline=pipeline)
 
     durable = {
         "dur": executor(inline, True),
         "dur_thread": executor(thread, True),
         "dur_no_overlap": executor(inline, False),
-        "dur_no_carry": executor(inline, True, carry=False),  # every mark a round trip
-        "dur_old": executor(thread, False, carry=False),  # before the levers of issue 17
+        "dur_no_pipeline": executor(inline, True, pipeline=False),  # tools after the commit
+        "dur_no_carry": executor(inline, True, carry=False, pipeline=False),  # a mark's own trip
+        "dur_old": executor(thread, False, carry=False, pipeline=False),  # before issue 17
     }
 
     async def one(name: str) -> float:
@@ -278,7 +283,8 @@ async def per_step(url: str, base_url: str, turns: int, rounds: int) -> dict[str
     # durable loop before the levers against the seed's loop.
     for key, (a, b) in {
         "overlap_saves": ("dur_no_overlap", "dur"),
-        "carry_saves": ("dur_no_carry", "dur"),
+        "pipeline_saves": ("dur_no_pipeline", "dur"),
+        "carry_saves": ("dur_no_carry", "dur_no_pipeline"),
         "inline_saves_durable": ("dur_thread", "dur"),
         "inline_saves_in_memory": ("mem_thread", "mem"),
         "thread_cost": ("dur_thread", "mem_thread"),
@@ -724,7 +730,8 @@ def main() -> int:
         print(f"    durable overhead per turn  {_pm(q, 'cost')} ms, ratio {q['ratio']:.2f}x "
               "(goal <= 1.0 ms)")
         print(f"    overlap saves              {_pm(q, 'overlap_saves')} ms/turn")
-        print(f"    carried mark saves         {_pm(q, 'carry_saves')} ms/turn")
+        print(f"    pipelined pure turns save  {_pm(q, 'pipeline_saves')} ms/turn")
+        print(f"    carried mark saves         {_pm(q, 'carry_saves')} ms/turn (unpipelined)")
         print(f"    inline tools save          {_pm(q, 'inline_saves_durable')} ms/turn durable, "
               f"{q['inline_saves_in_memory_ms']:.2f} in-memory")
         print(f"    overhead with threaded tools {_pm(q, 'thread_cost')} ms/turn")

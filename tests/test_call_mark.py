@@ -92,10 +92,12 @@ def scenario(*turns: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 async def run_to_the_end(
-    database_url: str, srv: Any, tools: list[str]
+    database_url: str, srv: Any, tools: list[str], *, pipeline: bool = False
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Run the scenario's run to its end on one executor: the (seq, call_index) of the marks
-    the appends carried, and of those sent on their own."""
+    the appends carried, and of those sent on their own. Pure turns are not pipelined unless
+    ``pipeline`` (tests/test_pipeline.py): a pipelined pure call may start before its turn's
+    append, and so its mark, has landed."""
     DB["url"] = database_url
     SEEN.clear()
     store = await CountingStore.open(database_url, max_size=4)
@@ -103,7 +105,7 @@ async def run_to_the_end(
     try:
         agent = AGENT.model_copy(update={"tools": tools, "thinking": None})
         h = await held_run(store, agent, pool="marks", task="mark the calls")
-        async with in_process_executor(store, srv.base_url, TOOLS) as ex:
+        async with in_process_executor(store, srv.base_url, TOOLS, pipeline=pipeline) as ex:
             assert await ex.advance(h) is None
         done = await store.get_run(h.run.id)
         assert done.status == "succeeded", done.error
@@ -156,3 +158,18 @@ async def test_no_mark_is_carried_for_a_call_that_will_not_run(
     assert own == [(0, 1)]
     assert ("drop", 0, 0, 1) not in SEEN
     assert_ran_marked(("look", 0, 1, 1))
+
+
+async def test_a_pipelined_turns_later_calls_wait_for_the_turn_and_run_under_their_own_marks(
+    database_url: str, fake: FakeFactory
+) -> None:
+    # Pipelined, the turn's first call may start while the append carrying its mark is in
+    # flight (what the tool read of the row then is a race, not checked here); the second call
+    # marks itself only once that append has landed, so its own mark is the one on the row,
+    # never overwritten by the turn's older one.
+    srv = fake(scenario([("look", {"what": "a"})],
+                        [("look", {"what": "b"}), ("look", {"what": "c"})]))
+    carried, own = await run_to_the_end(database_url, srv, ["look"], pipeline=True)
+    assert carried == [(0, 0), (2, 0)]
+    assert own == [(2, 1)]
+    assert_ran_marked(("look", 2, 1, 1))

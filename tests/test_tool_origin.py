@@ -71,11 +71,14 @@ class FaultyMarkStore(Store):
             self.handle.lease_ttl = -1.0
 
 
-def executor(store: Store, base_url: str) -> RunExecutor:
+def executor(store: Store, base_url: str, *, pipeline: bool = False) -> RunExecutor:
+    """Pure turns not pipelined unless ``pipeline``: pipelined, a pure call starts once its
+    turn's append is sent, before the worker's clock is looked at again (a pure call is harmless
+    to start; every commit after it is fenced by the database)."""
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="test", max_retries=0)
     metrics = WorkerMetrics()
     return RunExecutor(store, Providers(default=client), TOOLS, metrics, Health(60, metrics),
-                       RetryPolicy(max_retries=0), is_draining=lambda: False)
+                       RetryPolicy(max_retries=0), is_draining=lambda: False, pipeline=pipeline)
 
 
 #: A turn whose first call is refused (not one of the run's tools), so the mark of its second
@@ -88,10 +91,11 @@ SECOND_CALL = {"name": "second", "scripts": [{"name": "second", "turns": [
 
 
 @pytest.mark.parametrize(
-    ("fault", "raised"),
-    [("local_clock", LeaseLost), ("db_error", psycopg.OperationalError)],
+    ("route", "fault", "raised"),
+    [(route, "local_clock", LeaseLost) for route in ("own", "carried")]
+    # Pipelined, a pure call does not wait for its turn's answer, nor then for the clock.
+    + [(route, "db_error", psycopg.OperationalError) for route in ("own", "carried", "pipelined")],
 )
-@pytest.mark.parametrize("route", ["own", "carried"])
 async def test_a_failure_of_the_worker_before_the_call_drops_the_work_and_commits_nothing(
     database_url: str, fake: FakeFactory, fault: str, raised: type[Exception], route: str
 ) -> None:
@@ -104,12 +108,12 @@ async def test_a_failure_of_the_worker_before_the_call_drops_the_work_and_commit
         ((run, lease),) = (await store.with_lease_ttl(60).claim("origin", "w", 1)).claimed
         h = store.handle = RunHandle(run, lease, lease_ttl=60)
         with pytest.raises(raised):
-            await executor(store, srv.base_url).advance(h)
-        assert CALLS == []  # the tool was never called
+            await executor(store, srv.base_url, pipeline=route == "pipelined").advance(h)
+        assert CALLS == []  # the tool was never called (pipelined: the append never left)
         # No tool_result stands for the call not made: only the model's turn is in the log, or
         # nothing when the turn's own append was the mark that failed.
         assert [s.kind for s in await store.steps(run.id)] == (
-            [] if (route, fault) == ("carried", "db_error") else ["model_turn"])
+            [] if route != "own" and fault == "db_error" else ["model_turn"])
         after = await store.get_run(run.id)
         assert after.status == "running" and after.lease_epoch == lease.epoch
     finally:

@@ -365,7 +365,7 @@ def test_connections_are_opened_in_one_place() -> None:
     # Every connection of the worker, the operator and the CLI gets the ConnectOptions because
     # only agentrun.store opens any: a new psycopg.connect elsewhere would lack them.
     root = Path(__file__).resolve().parent.parent
-    opening = re.compile(r"\b(psycopg\.connect|AsyncConnection\.connect|ConnectionPool)\(")
+    opening = re.compile(r"\b(psycopg\.connect|(Async|Store)Connection\.connect|ConnectionPool)\(")
     found = {
         str(f.relative_to(root))
         for d in ("src/agentrun", "operator", "worker")

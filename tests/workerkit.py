@@ -224,16 +224,18 @@ async def wait_for(pred: Callable[[], bool], within: float, what: str) -> None:
 
 @contextlib.asynccontextmanager
 async def in_process_executor(
-    store: Store, base_url: str, registry: ToolRegistry, *, max_retries: int = 2
+    store: Store, base_url: str, registry: ToolRegistry, *, max_retries: int = 2,
+    **options: Any,
 ) -> AsyncIterator[RunExecutor]:
     """A worker's RunExecutor in this process, against ``store`` and the scripted model server
-    at ``base_url``, with ``registry``'s tools (no listener, no heartbeat: a test drives it)."""
+    at ``base_url``, with ``registry``'s tools (no listener, no heartbeat: a test drives it);
+    ``options``: RunExecutor's own (``pipeline=False``, ...)."""
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="test", max_retries=0)
     metrics = WorkerMetrics()
     try:
         yield RunExecutor(store, Providers(default=client), registry, metrics,
                           Health(60, metrics), RetryPolicy(max_retries=max_retries, base_delay=0.0),
-                          is_draining=lambda: False)
+                          is_draining=lambda: False, **options)
     finally:
         await client.close()
 

@@ -124,6 +124,9 @@ class RunHandle:
     #: (seq, call_index) of the call whose mark the model turn's append carried: its first
     #: attempt starts without a mark of its own (RunExecutor.first_call_mark).
     marked: tuple[int, int] | None = None
+    #: A pipelined pure turn's append, sent and not yet answered (RunExecutor.advance): a fenced
+    #: write of the turn's later calls (their marks) waits for it to land first.
+    turn_commit: asyncio.Task[None] | None = None
 
     @property
     def run_id(self) -> str:
@@ -305,6 +308,10 @@ class RunExecutor:
     #: Carry a turn's first tool call's mark in the turn's own append (first_call_mark): False
     #: sends every mark on its own, as before issue 17 (the benchmark's "off").
     carry_mark: bool = True
+    #: Pipeline pure turns: a turn whose calls are all pure starts them once its append (which
+    #: carries the first call's mark) is sent, not once it is committed (issue 17). False waits
+    #: for the commit, as before (the benchmark's "off").
+    pipeline: bool = True
     _prompts: dict[str, PromptVersion] = field(default_factory=dict)
 
     async def pinned_prompt(self, h: RunHandle) -> PromptVersion:
@@ -336,6 +343,7 @@ class RunExecutor:
         turn: ModelTurn | None = None,
         cost_usd: float = 0.0,
         tool_call: dict[str, Any] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
         sent = time.monotonic()
         await self.store.append_step(
@@ -350,6 +358,7 @@ class RunExecutor:
             cache_write_tokens=turn.cache_write_tokens if turn else 0,
             cost_usd=cost_usd,
             tool_call=tool_call,
+            on_sent=on_sent,
         )
         self._committed(h, sent)
         self.metrics.steps.labels(kind).inc()
@@ -414,12 +423,17 @@ class RunExecutor:
                     try:
                         content = await self.run_tools(h, seq - 1, last[1])
                     except RollbackRequested:
+                        await self._turn_landed(h)  # the turn first: its failure, if it failed
                         log.warning("a rollback was requested: rolling back before the turn's "
                                     "next tool call")
                         await self.abort(h)
                         return None
+                    except BaseException as exc:
+                        await self._turn_settled(h, exc)
+                        raise
                     payload = {"content": content}
-                    results = self._commit_results(h, seq, payload, started)
+                    results = self._commit_results(h, seq, payload, started, h.turn_commit)
+                    h.turn_commit = None  # the results' commit waits for it (and raises its error)
                     messages.append({"role": "user", "content": content})
                     last, seq = ("tool_result", payload), seq + 1
                     if not self.overlap or self.is_draining() or h.rollback_requested:
@@ -495,39 +509,98 @@ class RunExecutor:
             cost = self.prices.cost_usd(pv.model, usage)
             self.metrics.count_tokens(pv.model, cost_usd=cost, **usage)
             mark = self.first_call_mark(h, seq, turn.payload)
-            try:
-                await self._append(
-                    h,
-                    seq,
-                    "model_turn",
-                    turn.payload,
-                    turn.request_id,
-                    started,
-                    turn=turn,
-                    cost_usd=cost,
-                    tool_call=mark,
-                )
-            except psycopg.DataError:
-                # Looked for only once the database refused the turn (nothing to pay per turn).
-                # Given up, the claim was re-run, the model paid again, until a dead letter.
-                where = non_finite(turn.payload)
-                if where is None:
+            if mark is not None and self.pipeline and self._pure_turn(h, turn.payload):
+                # Pipelined: the turn's calls, all pure, start once its append (carrying the
+                # first one's mark) is sent; it lands whatever then becomes of this process.
+                sent = asyncio.get_running_loop().create_future()
+                h.turn_commit = asyncio.create_task(
+                    self._commit_turn(h, seq, turn, started, cost, mark, sent),
+                    name=f"commit seq {seq}")
+                try:
+                    await asyncio.wait({sent, h.turn_commit},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if h.turn_commit.done() or self.is_draining() or h.rollback_requested:
+                        await self._turn_landed(h)  # answered already, or acted on once landed
+                except BaseException as exc:
+                    await self._turn_settled(h, exc)
                     raise
-                raise RunFailed(
-                    f"the model's turn at seq {seq} holds a number beyond the float range at "
-                    f"{where} (such as 1e400): it can be neither stored verbatim nor sent back "
-                    "to the model; `agentrun retry` asks the model again"
-                ) from None
+            else:
+                await self._commit_turn(h, seq, turn, started, cost, mark)
             h.marked = None if mark is None else (seq, 0)
             spend.add(sum(usage.values()), cost)  # the four kinds: what maxTokens counts
-            crash_point("after_model_turn_commit", seq)
-            log.debug("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
             messages.append({"role": "assistant", "content": turn.payload["content"]})
             last, seq, turns = ("model_turn", turn.payload), seq + 1, turns + 1
 
-    async def _commit_results(
-        self, h: RunHandle, seq: int, payload: dict[str, Any], started: float
+    async def _commit_turn(
+        self, h: RunHandle, seq: int, turn: ModelTurn, started: float, cost: float,
+        mark: dict[str, Any] | None, sent: asyncio.Future[None] | None = None,
     ) -> None:
+        """Append the model turn (with ``mark``, its first call's, if any); ``sent`` is set
+        once the append is on its way (pipelined pure turns)."""
+
+        def on_sent() -> None:
+            if sent is not None and not sent.done():
+                sent.set_result(None)
+
+        try:
+            await self._append(h, seq, "model_turn", turn.payload, turn.request_id, started,
+                               turn=turn, cost_usd=cost, tool_call=mark,
+                               on_sent=None if sent is None else on_sent)
+        except psycopg.DataError:
+            # Looked for only once the database refused the turn (nothing to pay per turn).
+            # Given up, the claim was re-run, the model paid again, until a dead letter.
+            where = non_finite(turn.payload)
+            if where is None:
+                raise
+            raise RunFailed(
+                f"the model's turn at seq {seq} holds a number beyond the float range at "
+                f"{where} (such as 1e400): it can be neither stored verbatim nor sent back "
+                "to the model; `agentrun retry` asks the model again"
+            ) from None
+        crash_point("after_model_turn_commit", seq)
+        log.debug("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
+
+    def _pure_turn(self, h: RunHandle, payload: dict[str, Any]) -> bool:
+        """Every call of the turn is one the run may make, of a pure tool this worker has: a
+        call that may take effect (or be refused, or wait for a human) starts only once its turn
+        is committed."""
+        granted = h.run.agent.tools
+        return all(
+            b.get("name") in granted and b["name"] in self.registry
+            and self.registry.get(b["name"]).kind is ToolKind.PURE
+            for b in tool_uses(payload)
+        )
+
+    async def _turn_landed(self, h: RunHandle) -> None:
+        """Wait for a pipelined turn's append to land; raises its failure."""
+        commit, h.turn_commit = h.turn_commit, None
+        if commit is not None:
+            await commit
+
+    async def _turn_settled(self, h: RunHandle, exc: BaseException) -> None:
+        """The turn's tools raised ``exc``: first let the pipelined append they ran beside end
+        (the caller's next write, a rollback or a finish, must come after it), cancelled with the
+        run's task if that is what ``exc`` is. If the append failed, its failure is what the
+        caller gets (the run is not this worker's any more, or the turn was refused), ``exc``
+        its context."""
+        commit, h.turn_commit = h.turn_commit, None
+        if commit is None:
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            commit.cancel()
+        await asyncio.wait({commit})
+        if commit.cancelled():
+            return
+        failure = commit.exception()
+        if failure is not None and not isinstance(exc, asyncio.CancelledError):
+            raise failure from exc
+
+    async def _commit_results(
+        self, h: RunHandle, seq: int, payload: dict[str, Any], started: float,
+        turn_commit: asyncio.Task[None] | None = None,
+    ) -> None:
+        if turn_commit is not None:
+            await turn_commit  # the turn first, always: its failure ends the results unsent
         await self._append(h, seq, "tool_result", payload, started=started)
         crash_point("after_tool_result_commit", seq)
 
@@ -1010,6 +1083,7 @@ class RunExecutor:
         if h.marked == (ctx.seq, ctx.call_index) and ctx.attempt == 1:
             h.marked = None  # the model turn's append carried this mark, moments ago
         else:
+            await self._turn_landed(h)  # a pipelined turn's mark is older: it lands first
             sent = time.monotonic()
             await self.store.begin_tool_call(h.lease, self._mark(h, spec, ctx.seq, ctx.call_index))
             self._committed(h, sent)

@@ -5,10 +5,12 @@ itself at that point when the step's seq matches (``@*`` matches any seq; for th
 seq is that of the model turn that asked for the call). Points:
 
 * ``mid_model_stream``: the first event of a streamed model turn has arrived, nothing committed;
-* ``after_model_turn_commit``: a model turn is committed, its tools not yet run;
+* ``after_model_turn_commit``: a model turn is committed, its tools not yet run (a pipelined
+  pure turn's calls may have started: they begin once its append is sent);
 * ``after_intent_commit``: an irreversible call's intent (or an approved re-run's attempt) is
   committed, the tool not yet called;
-* ``after_tool_return``: a tool returned, its result not yet recorded or committed;
+* ``after_tool_return``: a tool returned, its result not yet recorded or committed (a pipelined
+  pure turn's own append may still be in flight: sent, so it lands);
 * ``after_tool_result_commit``: a tool_result step is committed (with overlap, the next turn's
   request may be out already; its turn is not committed).
 

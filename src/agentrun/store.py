@@ -31,6 +31,7 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from functools import cached_property
@@ -79,6 +80,7 @@ from agentrun.manifests import (
     PinnedAgentSpec,
     pool_problem,
 )
+from agentrun.sent import StoreConnection, last_message_queued
 from agentrun.sql import queries
 from agentrun.tools import idempotency_key, tool_uses
 from agentrun.vocabulary import (
@@ -235,6 +237,16 @@ class StoreCursor(psycopg.AsyncCursor[Any]):
             await self.connection.execute("DEALLOCATE ALL")
             return await super().execute(query, params, prepare=prepare, binary=binary)
 
+    # The two ways psycopg queues a statement's last message (a first use's Parse, sent and
+    # answered before it, is neither): agentrun/sent.py's callback waits for this, then a flush.
+    def _send_query_prepared(self, *args: Any, **kwargs: Any) -> None:
+        super()._send_query_prepared(*args, **kwargs)
+        last_message_queued(self.connection)
+
+    def _execute_send(self, *args: Any, **kwargs: Any) -> None:
+        super()._execute_send(*args, **kwargs)
+        last_message_queued(self.connection)
+
 
 async def connect(
     url: str,
@@ -249,7 +261,7 @@ async def connect(
     opts = options or ConnectOptions.from_env()
     params = opts.libpq(url, statement_timeout=statement_timeout)
     kwargs.setdefault("cursor_factory", StoreCursor)
-    return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, **params, **kwargs)
+    return await StoreConnection.connect(url, autocommit=autocommit, **params, **kwargs)
 
 
 def canonical_json(value: Any) -> str:
@@ -837,6 +849,7 @@ class Store:
             url,
             min_size=min_size,
             max_size=max_size,
+            connection_class=StoreConnection,
             kwargs={
                 "autocommit": True,
                 "cursor_factory": StoreCursor,
@@ -1142,6 +1155,7 @@ class Store:
         cache_write_tokens: int = 0,
         cost_usd: float = 0.0,
         tool_call: dict[str, Any] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> datetime:
         """Append step ``seq`` (fenced; renews the lease). Returns its commit time.
         A model turn passes its token usage (input, output, cache read, cache write) and its
@@ -1151,6 +1165,11 @@ class Store:
         call), written in the same statement as :meth:`begin_tool_call` would write it, so that
         call needs no round trip of its own before it starts (issue 17). None leaves the run's
         mark as it is.
+
+        ``on_sent``: called once the statement carrying the append has been written to the
+        database's socket whole (agentrun/sent.py), before its answer; never if it was not (the
+        connection broke, no connection could be had). From then on the append lands even if
+        this process dies, unless it fails for what it is (fenced off, refused).
 
         Raises :class:`LeaseLost` (or :class:`RunCancelled`) when this worker no longer holds the
         run, and :class:`DuplicateStep` when ``seq`` already exists.
@@ -1172,6 +1191,7 @@ class Store:
             cache_write_tokens,
             cost_usd,
             None if tool_call is None else Jsonb(tool_call),
+            on_sent,
         )
         if self._group is None:
             async with self.pool.connection() as conn:
@@ -1195,7 +1215,8 @@ class Store:
         )
         self.append_stats.count(1)
         try:
-            cur = await conn.execute(queries["append_step"], params)
+            with _on_sent(conn, a.on_sent):
+                cur = await conn.execute(queries["append_step"], params)
         except psycopg.errors.UniqueViolation:
             raise DuplicateStep(str(a.lease.run_id), a.seq) from None
         row = await cur.fetchone()
@@ -1240,8 +1261,15 @@ class Store:
             "tool_calls": [a.tool_call for a in ordered],
         }
         self.append_stats.count(len(batch))
+        sent = [a.on_sent for a in batch if a.on_sent is not None]
+
+        def all_sent() -> None:
+            for callback in sent:
+                callback()
+
         try:
-            cur = await conn.execute(queries["append_steps"], params)
+            with _on_sent(conn, all_sent if sent else None):
+                cur = await conn.execute(queries["append_steps"], params)
             written: dict[UUID, datetime] = {row[0]: row[1] for row in await cur.fetchall()}
         except (psycopg.IntegrityError, psycopg.DataError, *ROLLED_BACK, TypeError, ValueError):
             # The statement failed whole, so nothing of it was applied: a value a column refuses,
@@ -1915,6 +1943,17 @@ class _Append:
     cache_write_tokens: int
     cost_usd: float
     tool_call: Jsonb | None  # the mark carried by the append (None: the run's stays)
+    on_sent: Callable[[], None] | None = field(default=None, compare=False)
+
+
+def _on_sent(
+    conn: psycopg.AsyncConnection[Any], callback: Callable[[], None] | None
+) -> AbstractContextManager[None]:
+    """``conn``'s :meth:`StoreConnection.on_sent` for the statement run inside (nothing to
+    watch, or a connection of another class: a block that does nothing)."""
+    if callback is None or not isinstance(conn, StoreConnection):
+        return nullcontext()
+    return conn.on_sent(callback)
 
 
 def _append_key(a: _Append) -> tuple[str, UUID]:
