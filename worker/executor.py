@@ -24,7 +24,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -160,9 +160,9 @@ class _MidStream:
     if that came before the previous results' commit landed, once it has, so the state a crash
     there leaves is the one it always left (those results committed, the turn not)."""
 
-    def __init__(self, seq: int, commit: asyncio.Task[None] | None) -> None:
+    def __init__(self, seq: int, *, landed: bool) -> None:
         self.seq = seq
-        self.landed = commit is None
+        self.landed = landed
         self.early = False
 
     def first_event(self) -> None:
@@ -403,8 +403,9 @@ class RunExecutor:
             return None
         # The run's provider's client; its spans carry the run id.
         client = self.tracing.client_for(await self.client_for(h), h.run_id)
-        # The tool results' commit while it is in flight beside the next model call (overlap).
-        pending: asyncio.Task[None] | None = None
+        # The tool results' commit, due beside the next model call (overlap): started once that
+        # call's request is on its way, so the commit's work is done while the model answers.
+        pending: Coroutine[Any, Any, None] | None = None
         while True:
             if self.is_draining():
                 return "drain"  # at a commit boundary: nothing in flight is lost
@@ -439,7 +440,7 @@ class RunExecutor:
                     if not self.overlap or self.is_draining() or h.rollback_requested:
                         await results  # no next call to overlap with (or overlap is off)
                         continue
-                    pending = asyncio.create_task(results, name=f"commit seq {seq - 1}")
+                    pending = results
                 elif stop in ("end_turn", "stop_sequence"):
                     try:
                         await self.store.finish(h.lease, "succeeded",
@@ -477,16 +478,25 @@ class RunExecutor:
             # Progress while it lasts: every try ends by its deadline, so the whole call is
             # bounded (retries and backoffs included) and never looks like a stall within it.
             h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
-            mid_stream = _MidStream(turn_seq, pending)
-            asking = call_model(client, build_request(pv, messages), policy=self.retry,
-                                on_first_event=mid_stream.first_event, on_retry=self._count_retry)
+            mid_stream = _MidStream(turn_seq, landed=pending is None)
+            try:
+                asking = call_model(client, build_request(pv, messages), policy=self.retry,
+                                    on_first_event=mid_stream.first_event,
+                                    on_retry=self._count_retry)
+            except BaseException:
+                if pending is not None:
+                    await pending
+                raise
             call = asyncio.ensure_future(
                 self.tracing.model_turn(client, pv.model, turn_seq, asking))
+            # Scheduled after the call: its request leaves first.
+            commit = None if pending is None else asyncio.create_task(
+                pending, name=f"commit seq {seq - 1}")
+            pending = None
             try:
-                if pending is not None:
+                if commit is not None:
                     # The turn is committed only after the results it answers: a commit that
                     # fails (LeaseLost, RunCancelled, the database) ends the call unheard.
-                    commit, pending = pending, None
                     await commit
                     mid_stream.committed()
                     if self.is_draining() or h.rollback_requested:
