@@ -19,8 +19,10 @@ import psycopg
 import pytest
 
 from agentrun.errors import LeaseLost
+from agentrun.sql import queries
 from agentrun.store import Store
 from agentrun.tools import ToolContext, ToolRegistry, tool
+from agentrun.vocabulary import rollback_reason
 from agentrun.worker.executor import RunHandle
 from tests.workerkit import AGENT, FakeFactory, held_run, in_process_executor
 
@@ -45,6 +47,18 @@ def set_flag(ctx: ToolContext, value: str) -> str:
     return value
 
 
+GO = threading.Event()
+
+
+@tool(kind="pure", registry=TOOLS)
+def look_slowly(ctx: ToolContext, what: str) -> str:
+    """Look something up, once the test says so."""
+    RAN.append(f"look_slowly {what}")
+    STARTED.set()
+    assert GO.wait(30)
+    return what.upper()
+
+
 def scenario(*calls: tuple[str, dict[str, Any]]) -> dict[str, Any]:
     """One turn making ``calls``, then the answer."""
     return {"name": "pipe", "scripts": [{"name": "pipe", "turns": [
@@ -58,6 +72,7 @@ def scenario(*calls: tuple[str, dict[str, Any]]) -> dict[str, Any]:
 async def store(database_url: str) -> AsyncIterator[Store]:
     RAN.clear()
     STARTED.clear()
+    GO.clear()
     s = await Store.open(database_url, max_size=4)
     try:
         yield s
@@ -152,3 +167,29 @@ async def test_a_pipelined_turn_fenced_off_drops_what_its_pure_call_did(
             await advancing
     assert RAN == ["look a"]  # it ran; nothing of it was committed
     assert await kinds(store, h.run.id) == []
+
+
+async def test_a_rollback_heard_while_a_pipelined_turn_runs_waits_for_the_turn_to_land(
+    store: Store, database_url: str, fake: FakeFactory
+) -> None:
+    # Heard between the turn's two calls, while the turn's append still waits: the rollback
+    # starts only once the turn has landed (its compensations and its finish after it, their
+    # seqs after the turn's), and the second call never runs.
+    calls = [("look_slowly", {"what": "a"}), ("look", {"what": "b"})]
+    async with advancing_held(store, database_url, fake, *calls) as (h, advancing, locker):
+        assert await asyncio.to_thread(STARTED.wait, 30), "the pure call did not start"
+        # A human's cancel --rollback (in the transaction that holds the row), and the
+        # worker's listener hearing it.
+        await locker.execute(queries["request_rollback"], {
+            "run_id": h.run.id, "reason": rollback_reason("cancelled", "plans changed"),
+            "end": "cancelled", "rollback_due": False})
+        h.rollback_requested = True
+        GO.set()
+        await waiting_for_a_lock(database_url)  # the turn's append, still held
+        assert not advancing.done()
+        await locker.commit()
+        assert await advancing is None
+    assert RAN == ["look_slowly a"]
+    assert await kinds(store, h.run.id) == ["model_turn"]
+    done = await store.get_run(h.run.id)
+    assert done.status == "cancelled", done.error
