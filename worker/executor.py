@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 
 from agentrun.errors import LeaseLost, RollbackRequested
-from agentrun.faults import crash_point
+from agentrun.faults import armed, crash_point
 from agentrun.pricing import BUILT_IN, PriceTable
 from agentrun.store import Effect, Lease, PromptVersion, Run, Step, Store
 from agentrun.tools import (
@@ -421,6 +421,7 @@ class RunExecutor:
                         raise RunFailed(f"model stopped with stop_reason 'tool_use' at seq "
                                         f"{seq - 1} but asked for no tool (no tool_use block)")
                     started = time.perf_counter()
+                    pipelined = h.turn_commit
                     try:
                         content = await self.run_tools(h, seq - 1, last[1])
                     except RollbackRequested:
@@ -432,6 +433,11 @@ class RunExecutor:
                     except BaseException as exc:
                         await self._turn_settled(h, exc)
                         raise
+                    if pipelined is not None and armed("after_model_turn_commit", seq - 1):
+                        # The crash point of a pipelined turn, where it leaves what it always
+                        # did: the turn landed, no results, no next request (its calls are pure).
+                        await pipelined
+                        crash_point("after_model_turn_commit", seq - 1)
                     payload = {"content": content}
                     results = self._commit_results(h, seq, payload, started, h.turn_commit)
                     h.turn_commit = None  # the results' commit waits for it (and raises its error)
@@ -475,9 +481,6 @@ class RunExecutor:
                 raise
             started = time.perf_counter()
             turn_seq = seq
-            # Progress while it lasts: every try ends by its deadline, so the whole call is
-            # bounded (retries and backoffs included) and never looks like a stall within it.
-            h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
             mid_stream = _MidStream(turn_seq, landed=pending is None)
             try:
                 asking = call_model(client, build_request(pv, messages), policy=self.retry,
@@ -501,6 +504,11 @@ class RunExecutor:
                     mid_stream.committed()
                     if self.is_draining() or h.rollback_requested:
                         continue  # at the commit boundary, as without overlap (finally cancels)
+                # Progress while it lasts: every try ends by its deadline, so the whole call is
+                # bounded (retries and backoffs included) and never looks like a stall within it.
+                # Not the commits before it: one that never answers (a connection dead without a
+                # reset) is a stall, the call beside it or not.
+                h.progress.begin("model call", deadline=time.monotonic() + self.retry.bound())
                 h.in_model_call = True  # from here a drain aborts the call at once
                 await _within_lease(h, call, "stopped the model call")
                 turn = call.result()
@@ -567,7 +575,8 @@ class RunExecutor:
                 f"{where} (such as 1e400): it can be neither stored verbatim nor sent back "
                 "to the model; `agentrun retry` asks the model again"
             ) from None
-        crash_point("after_model_turn_commit", seq)
+        if sent is None:  # pipelined, the point fires once the turn's calls have run (advance)
+            crash_point("after_model_turn_commit", seq)
         log.debug("seq %d: model turn committed (stop_reason %s)", seq, turn.stop_reason)
 
     def _pure_turn(self, h: RunHandle, payload: dict[str, Any]) -> bool:

@@ -6,7 +6,9 @@ seq is that of the model turn that asked for the call). Points:
 
 * ``mid_model_stream``: the first event of a streamed model turn has arrived, nothing committed;
 * ``after_model_turn_commit``: a model turn is committed, its tools not yet run (a pipelined
-  pure turn's calls may have started: they begin once its append is sent);
+  pure turn's calls start once its append is sent: the point then fires once they have returned
+  and the turn has landed, before its results' commit and the next model call, the same durable
+  state, as pure calls leave nothing behind);
 * ``after_intent_commit``: an irreversible call's intent (or an approved re-run's attempt) is
   committed, the tool not yet called;
 * ``after_tool_return``: a tool returned, its result not yet recorded or committed (a pipelined
@@ -40,9 +42,12 @@ def _armed() -> set[tuple[str, str]]:
 _ARMED = _armed()
 
 
+def armed(point: str, seq: int) -> bool:
+    """Whether ``point`` is armed for ``seq`` (False in production)."""
+    return bool(_ARMED) and ((point, str(seq)) in _ARMED or (point, "*") in _ARMED)
+
+
 def crash_point(point: str, seq: int) -> None:
     """SIGKILL this process if ``point`` is armed for ``seq``. A no-op in production."""
-    if not _ARMED:
-        return
-    if (point, str(seq)) in _ARMED or (point, "*") in _ARMED:
+    if armed(point, seq):
         os.kill(os.getpid(), signal.SIGKILL)
