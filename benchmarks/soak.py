@@ -72,10 +72,12 @@ from typing import IO, Any, Protocol
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from agentrun.errors import ConfigError
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.manifests import AgentSpec
 from agentrun.store import Run, Step, Store
 from agentrun.vocabulary import TERMINAL_STATUSES
+from agentrun.waits import WaitRef
 from benchmarks.bench_tools import ODD_PAYLOADS
 from benchmarks.own_pg import OwnPostgres
 
@@ -442,13 +444,19 @@ async def decide_waiting(store: Store, ledger_url: str, alive: Callable[[str], b
                 (str(run.id), call.get("tool")),
             ).fetchone()
         happened = bool(row and row[0])
-        await store.decide(
-            run.id,
-            int(call["seq"]),
-            "rejected" if happened else "approved",
-            decided_by="soak-oncall",
-            reason="checked the ledger",
-        )
+        try:
+            # The wait named as `agentrun approve RUN 8.0.2` names it: a bare step number is
+            # refused once the step had a decision (an approved re-run whose outcome is unknown
+            # again waits on its next attempt), and the soak died of that refusal.
+            await store.decide(
+                run.id,
+                WaitRef.of(call),
+                "rejected" if happened else "approved",
+                decided_by="soak-oncall",
+                reason="checked the ledger",
+            )
+        except ConfigError:  # refused, nothing recorded: the run moved on since it was listed
+            continue  # (claimed, waiting on another call): looked at again next round
         decided += 1
     return decided
 

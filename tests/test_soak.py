@@ -505,3 +505,26 @@ def test_a_kept_server_is_stopped_but_its_data_stays() -> None:
         assert (pg.pgdata / "PG_VERSION").exists() and pg.log.exists()
     finally:
         shutil.rmtree(pg.root, ignore_errors=True)
+
+
+async def test_the_oncall_human_names_the_wait_of_a_second_unknown_outcome(
+    store: Store, database_url: str
+) -> None:
+    """An approved re-run whose outcome is unknown again waits on its next attempt, and a bare
+    step number no longer decides it (Store.decide refuses it once the step had a decision): the
+    scripted on-call named only the step, was refused, and the soak died of it, 1,000 s into a
+    5,000-kill run. It names the wait, as `agentrun approve RUN 0.0.2` does."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(ledger_schema())
+    run, _ = await store.create_run("run twice unknown", AGENT)
+    call: dict[str, Any] = {"seq": 0, "call_index": 0, "tool": "drop_table", "input": {},
+                            "stage": "outcome_unknown", "attempt": 1}
+    for attempt in (1, 2):
+        [(_, lease)] = (await store.claim("default", f"w{attempt}")).claimed
+        await store.wait_for_approval(lease, "outcome unknown", {**call, "attempt": attempt})
+        waiting = await store.get_run(run.id)
+        assert waiting.pending_call is not None
+        assert waiting.pending_call["attempt"] == attempt
+        assert await decide_waiting(store, database_url, lambda _name: False) == 1
+        decided = await store.get_approval(run.id, 0, 0, "outcome_unknown", attempt)
+        assert decided is not None and decided.decision == "approved"
