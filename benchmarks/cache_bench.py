@@ -26,7 +26,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from agentrun.fake_anthropic.scenario import parse_scenario
 from agentrun.manifests import AgentSpec
 from agentrun.pricing import cost_usd
 from agentrun.store import Store
+from benchmarks.scratch import scratch_dir
 from benchmarks.throwaway_db import throwaway_database
 from benchmarks.worker_bench import spawn_worker
 
@@ -140,13 +140,13 @@ async def one_run(url: str, turns: int, how: str, logdir: Path) -> dict[str, Any
 
 
 async def cache_bench(url: str, turns: int) -> dict[str, Any]:
-    logdir = Path(tempfile.mkdtemp(prefix="agentrun-cache-bench-"))
-    out: dict[str, Any] = {"turns": turns, "model": MODEL}
-    for how in ("cached", "uncached", "resumed"):
-        out[how] = await one_run(url, turns, how, logdir)
-    out["cached_over_uncached"] = out["cached"]["cost_usd"] / out["uncached"]["cost_usd"]
-    out["resumed_over_uncached"] = out["resumed"]["cost_usd"] / out["uncached"]["cost_usd"]
-    return out
+    with scratch_dir("agentrun-cache-bench-") as logdir:
+        out: dict[str, Any] = {"turns": turns, "model": MODEL}
+        for how in ("cached", "uncached", "resumed"):
+            out[how] = await one_run(url, turns, how, logdir)
+        out["cached_over_uncached"] = out["cached"]["cost_usd"] / out["uncached"]["cost_usd"]
+        out["resumed_over_uncached"] = out["resumed"]["cost_usd"] / out["uncached"]["cost_usd"]
+        return out
 
 
 def report(result: dict[str, Any]) -> str:

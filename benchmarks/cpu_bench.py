@@ -34,7 +34,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +47,7 @@ from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
 from agentrun.worker.providers import Providers
 from agentrun.worker.settings import MODEL_TRANSPORTS, RetryPolicy
+from benchmarks.scratch import scratch_dir
 from benchmarks.worker_bench import (
     AGENT,
     REGISTRY,
@@ -158,11 +158,11 @@ def _worker_logging() -> Iterator[None]:
 
 async def cpu_bench(url: str, runs: int = 16, turns: int = 10, rounds: int = 5,
                     progress: Progress = _quiet) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-cpu-"))
-    with _worker_logging(), fake_server(scenario_file(tmp, "cpu", scenario(turns))) as base_url:
-        out = await run_bench(url, base_url, runs, rounds, progress)
-    out["turns"] = turns
-    return out
+    with scratch_dir("agentrun-cpu-") as tmp:
+        with _worker_logging(), fake_server(scenario_file(tmp, "cpu", scenario(turns))) as base_url:
+            out = await run_bench(url, base_url, runs, rounds, progress)
+        out["turns"] = turns
+        return out
 
 
 def main() -> int:

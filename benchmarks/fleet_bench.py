@@ -27,10 +27,8 @@ import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -39,6 +37,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from agentrun.store import Store
 from benchmarks.own_pg import OwnPostgres
+from benchmarks.scratch import scratch_dir
 from benchmarks.throwaway_db import db_url, fresh_database, throwaway_database
 from benchmarks.worker_bench import (
     AGENT,
@@ -121,45 +120,46 @@ async def throughput(
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """Steps per second for each (workers, concurrency); real worker processes."""
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-fleet-"))
-    path = tmp / "zero.yaml"
-    # No thinking blocks: the scripted server then checks no signatures, so less of the two
-    # cores goes to the stand-in for the model provider.
-    path.write_text(yaml.safe_dump(scenario(turns, thinking=False)))
-    cells: list[dict[str, Any]] = []
-    store = await Store.open(url, max_size=2)
-    try:
-        with fake_server(path) as base_url:
-            for c in concurrencies:
-                procs: list[subprocess.Popen[bytes]] = []
-                try:
-                    for w in range(1, max(worker_counts) + 1):
-                        port = free_port()
-                        p = spawn_worker(
-                            f"tput-c{c}-w{w}",
-                            _env(url, base_url),
-                            tmp,
-                            concurrency=c,
-                            health_port=port,
-                        )
-                        procs.append(p)
-                        await wait_ready(p, port)
-                        if w not in worker_counts:
-                            continue
-                        await asyncio.sleep(0.5)  # listeners connected
-                        n = max(min_runs, per_slot * c * w)
-                        cell = await _batch(store, url, n, f"c{c} w{w}")
-                        cell.update(workers=w, concurrency=c)
-                        cells.append(cell)
-                        progress(
-                            f"throughput: {w} worker(s) x {c} concurrent runs: "
-                            f"{cell['steps_per_s']:.0f} steps/s ({n} runs, {cell['steps']} steps)"
-                        )
-                finally:
-                    stop_processes(procs)
-    finally:
-        await store.close()
-    return {"turns_per_run": turns, "cells": cells}
+    with scratch_dir("agentrun-bench-fleet-") as tmp:
+        path = tmp / "zero.yaml"
+        # No thinking blocks: the scripted server then checks no signatures, so less of the two
+        # cores goes to the stand-in for the model provider.
+        path.write_text(yaml.safe_dump(scenario(turns, thinking=False)))
+        cells: list[dict[str, Any]] = []
+        store = await Store.open(url, max_size=2)
+        try:
+            with fake_server(path) as base_url:
+                for c in concurrencies:
+                    procs: list[subprocess.Popen[bytes]] = []
+                    try:
+                        for w in range(1, max(worker_counts) + 1):
+                            port = free_port()
+                            p = spawn_worker(
+                                f"tput-c{c}-w{w}",
+                                _env(url, base_url),
+                                tmp,
+                                concurrency=c,
+                                health_port=port,
+                            )
+                            procs.append(p)
+                            await wait_ready(p, port)
+                            if w not in worker_counts:
+                                continue
+                            await asyncio.sleep(0.5)  # listeners connected
+                            n = max(min_runs, per_slot * c * w)
+                            cell = await _batch(store, url, n, f"c{c} w{w}")
+                            cell.update(workers=w, concurrency=c)
+                            cells.append(cell)
+                            progress(
+                                f"throughput: {w} worker(s) x {c} concurrent runs: "
+                                f"{cell['steps_per_s']:.0f} steps/s "
+                                f"({n} runs, {cell['steps']} steps)"
+                            )
+                    finally:
+                        stop_processes(procs)
+        finally:
+            await store.close()
+        return {"turns_per_run": turns, "cells": cells}
 
 
 # -- 2. idle load ----------------------------------------------------------------------------------
@@ -236,20 +236,20 @@ async def idle_load(url: str, seconds: float, settle: float = 11.0) -> dict[str,
 
 async def idle_worker_load(url: str, seconds: float, progress: Progress = _quiet) -> dict[str, Any]:
     """One idle ``agentrun worker`` (default settings: 5 s poll, 15 s lease) and no runs."""
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-idle-"))
-    port = free_port()
-    env = {"AGENTRUN_DATABASE_URL": url, "ANTHROPIC_API_KEY": "bench"}
-    proc = spawn_worker("idle", env, tmp, health_port=port)
-    try:
-        await wait_ready(proc, port)
-        progress(f"idle worker: measuring database load for {seconds:.0f} s")
-        out = await idle_load(url, seconds)
-        if proc.poll() is not None:
-            raise RuntimeError("the idle worker died")
-    finally:
-        stop_processes([proc])
-    progress(f"idle worker: {out['queries_per_minute']:.1f} queries/min ({out['method']})")
-    return out
+    with scratch_dir("agentrun-bench-idle-") as tmp:
+        port = free_port()
+        env = {"AGENTRUN_DATABASE_URL": url, "ANTHROPIC_API_KEY": "bench"}
+        proc = spawn_worker("idle", env, tmp, health_port=port)
+        try:
+            await wait_ready(proc, port)
+            progress(f"idle worker: measuring database load for {seconds:.0f} s")
+            out = await idle_load(url, seconds)
+            if proc.poll() is not None:
+                raise RuntimeError("the idle worker died")
+        finally:
+            stop_processes([proc])
+        progress(f"idle worker: {out['queries_per_minute']:.1f} queries/min ({out['method']})")
+        return out
 
 
 # -- 3. memory -------------------------------------------------------------------------------------
@@ -275,44 +275,45 @@ async def _held(url: str, owner: str) -> int:
 
 async def memory(url: str, held: int = 100, progress: Progress = _quiet) -> dict[str, Any]:
     """RSS of one worker process idle, with 1 and with ``held`` runs, each on a model call."""
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-mem-"))
-    path = tmp / "slow.yaml"
-    path.write_text(yaml.safe_dump(scenario(3, delay_ms=600_000)))  # every call hangs for minutes
-    out: dict[str, Any] = {}
-    store = await Store.open(url, max_size=2)
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        with fake_server(path) as base_url:
-            port = free_port()
-            proc = spawn_worker(
-                "mem", _env(url, base_url), tmp, concurrency=held, health_port=port, ttl=60
-            )
-            await wait_ready(proc, port)
-            await asyncio.sleep(2)
-            out["idle_rss_mib"] = rss_kib(proc.pid) / 1024
-            submitted = 0
-            for n in (1, held):
-                for i in range(submitted, n):
-                    await store.create_run(f"held #{i}", AGENT)
-                submitted = n
-                deadline = time.monotonic() + 120
-                while await _held(url, "mem") < n:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise TimeoutError(f"the worker never held {n} runs")
-                    await asyncio.sleep(0.1)
-                await asyncio.sleep(3)  # every model call is open and waiting
-                out[f"rss_{n}_held_mib"] = rss_kib(proc.pid) / 1024
-                progress(f"memory: {out[f'rss_{n}_held_mib']:.1f} MiB with {n} held run(s)")
-            out["held"] = held
-            out["per_extra_run_kib"] = (
-                (out[f"rss_{held}_held_mib"] - out["rss_1_held_mib"]) * 1024 / (held - 1)
-            )
-            stop_processes([proc], grace=30)  # drains: aborts the calls, releases the leases
-    finally:
-        if proc is not None:
-            stop_processes([proc])
-        await store.close()
-    return out
+    with scratch_dir("agentrun-bench-mem-") as tmp:
+        path = tmp / "slow.yaml"
+        # Every call hangs for minutes.
+        path.write_text(yaml.safe_dump(scenario(3, delay_ms=600_000)))
+        out: dict[str, Any] = {}
+        store = await Store.open(url, max_size=2)
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            with fake_server(path) as base_url:
+                port = free_port()
+                proc = spawn_worker(
+                    "mem", _env(url, base_url), tmp, concurrency=held, health_port=port, ttl=60
+                )
+                await wait_ready(proc, port)
+                await asyncio.sleep(2)
+                out["idle_rss_mib"] = rss_kib(proc.pid) / 1024
+                submitted = 0
+                for n in (1, held):
+                    for i in range(submitted, n):
+                        await store.create_run(f"held #{i}", AGENT)
+                    submitted = n
+                    deadline = time.monotonic() + 120
+                    while await _held(url, "mem") < n:
+                        if time.monotonic() > deadline or proc.poll() is not None:
+                            raise TimeoutError(f"the worker never held {n} runs")
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(3)  # every model call is open and waiting
+                    out[f"rss_{n}_held_mib"] = rss_kib(proc.pid) / 1024
+                    progress(f"memory: {out[f'rss_{n}_held_mib']:.1f} MiB with {n} held run(s)")
+                out["held"] = held
+                out["per_extra_run_kib"] = (
+                    (out[f"rss_{held}_held_mib"] - out["rss_1_held_mib"]) * 1024 / (held - 1)
+                )
+                stop_processes([proc], grace=30)  # drains: aborts the calls, releases the leases
+        finally:
+            if proc is not None:
+                stop_processes([proc])
+            await store.close()
+        return out
 
 
 # -- together --------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from agentrun.worker.model_call import build_request
 from agentrun.worker.providers import Providers
 from agentrun.worker.settings import RetryPolicy
 from benchmarks.bench_tools import echo
+from benchmarks.scratch import scratch_dir
 from benchmarks.throwaway_db import throwaway_database
 
 REGISTRY = default_registry
@@ -471,49 +472,49 @@ async def resume(
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": "bench",
     }
-    logdir = Path(tempfile.mkdtemp(prefix="agentrun-bench-"))
-    procs: list[subprocess.Popen[bytes]] = []
-    out: dict[str, float] = {}
-    store = await Store.open(url, max_size=2)
-    try:
-        for how in ("sigkill", "sigterm"):
-            run, _ = await store.create_run(f"resume after {how}", AGENT, pool="default")
-            a = spawn_worker(f"{how}-a", env, logdir, ttl=ttl, poll=30)
-            procs.append(a)
-            await wait_owner(store, run.id, f"{how}-a")
-            port = free_port()
-            b = spawn_worker(f"{how}-b", env, logdir, ttl=ttl, poll=30, health_port=port)
-            procs.append(b)
-            await wait_ready(b, port)  # b imported the SDK and serves
-            await asyncio.sleep(0.5)  # and its listener is connected
-            await wait_run_step(store, run.id)
-            before = await store.get_run(run.id)
-            t0 = time.monotonic()
-            a.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
-            t1 = await wait_owner(store, run.id, f"{how}-b")
-            out[f"{how}_resume_s"] = t1 - t0
-            progress(f"resume after {how.upper()}: {t1 - t0:.2f} s")
-            if how == "sigkill" and before.lease_until is not None:
-                # How long after a's lease ran out did b take the run over (database clock)?
-                seen = await current_db_time(store)
-                out["sigkill_after_lease_expiry_s"] = seen - before.lease_until.timestamp()
-            try:
-                a.wait(10)
-            except subprocess.TimeoutExpired:
-                a.send_signal(signal.SIGUSR1)
-                await asyncio.sleep(1)
-                raise
-            await store.cancel(run.id)  # each phase leaves nothing behind for the next
-            b.send_signal(signal.SIGTERM)
-            b.wait(30)
-    finally:
-        await store.close()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    out["lease_ttl_s"] = ttl
-    return out
+    with scratch_dir("agentrun-bench-") as logdir:
+        procs: list[subprocess.Popen[bytes]] = []
+        out: dict[str, float] = {}
+        store = await Store.open(url, max_size=2)
+        try:
+            for how in ("sigkill", "sigterm"):
+                run, _ = await store.create_run(f"resume after {how}", AGENT, pool="default")
+                a = spawn_worker(f"{how}-a", env, logdir, ttl=ttl, poll=30)
+                procs.append(a)
+                await wait_owner(store, run.id, f"{how}-a")
+                port = free_port()
+                b = spawn_worker(f"{how}-b", env, logdir, ttl=ttl, poll=30, health_port=port)
+                procs.append(b)
+                await wait_ready(b, port)  # b imported the SDK and serves
+                await asyncio.sleep(0.5)  # and its listener is connected
+                await wait_run_step(store, run.id)
+                before = await store.get_run(run.id)
+                t0 = time.monotonic()
+                a.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
+                t1 = await wait_owner(store, run.id, f"{how}-b")
+                out[f"{how}_resume_s"] = t1 - t0
+                progress(f"resume after {how.upper()}: {t1 - t0:.2f} s")
+                if how == "sigkill" and before.lease_until is not None:
+                    # How long after a's lease ran out did b take the run over (database clock)?
+                    seen = await current_db_time(store)
+                    out["sigkill_after_lease_expiry_s"] = seen - before.lease_until.timestamp()
+                try:
+                    a.wait(10)
+                except subprocess.TimeoutExpired:
+                    a.send_signal(signal.SIGUSR1)
+                    await asyncio.sleep(1)
+                    raise
+                await store.cancel(run.id)  # each phase leaves nothing behind for the next
+                b.send_signal(signal.SIGTERM)
+                b.wait(30)
+        finally:
+            await store.close()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        out["lease_ttl_s"] = ttl
+        return out
 
 
 def cancel_scenario() -> dict[str, Any]:
@@ -530,65 +531,66 @@ def cancel_scenario() -> dict[str, Any]:
 
 async def cancel(url: str, repeat: int = 3, progress: Progress = _quiet) -> dict[str, Any]:
     """Cancel a run mid model call, ``repeat`` times, against one real worker process."""
-    logdir = Path(tempfile.mkdtemp(prefix="agentrun-bench-cancel-"))
-    path = logdir / "cancel.yaml"
-    path.write_text(yaml.safe_dump(cancel_scenario()))
-    store = await Store.open(url, max_size=2)
-    aborted: list[float] = []
-    released: list[float] = []
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        with FakeAnthropicServer(path) as srv:
-            env = {
-                "AGENTRUN_DATABASE_URL": url,
-                "ANTHROPIC_BASE_URL": srv.base_url,
-                "ANTHROPIC_API_KEY": "bench",
-            }
-            port = free_port()
-            w = spawn_worker("cancel-w", env, logdir, ttl=30, poll=30, health_port=port)
-            procs.append(w)
-            await wait_ready(w, port)
+    with scratch_dir("agentrun-bench-cancel-") as logdir:
+        path = logdir / "cancel.yaml"
+        path.write_text(yaml.safe_dump(cancel_scenario()))
+        store = await Store.open(url, max_size=2)
+        aborted: list[float] = []
+        released: list[float] = []
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            with FakeAnthropicServer(path) as srv:
+                env = {
+                    "AGENTRUN_DATABASE_URL": url,
+                    "ANTHROPIC_BASE_URL": srv.base_url,
+                    "ANTHROPIC_API_KEY": "bench",
+                }
+                port = free_port()
+                w = spawn_worker("cancel-w", env, logdir, ttl=30, poll=30, health_port=port)
+                procs.append(w)
+                await wait_ready(w, port)
 
-            def count(key: str) -> int:
-                return sum(1 for e in srv.requests() if e.get(key))
+                def count(key: str) -> int:
+                    return sum(1 for e in srv.requests() if e.get(key))
 
-            for i in range(repeat):
-                calls = sum(1 for e in srv.requests() if e.get("turn") == 0)
-                drops = count("disconnected")
-                run, _ = await store.create_run(f"cancel {i}", AGENT)
-                deadline = time.monotonic() + 30
-                while sum(1 for e in srv.requests() if e.get("turn") == 0) <= calls:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the model call never started")
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.5)  # well into the stream
-                t0 = time.monotonic()
-                await store.cancel(run.id)
-                t_abort = t_release = None
-                while (t_abort is None or t_release is None) and time.monotonic() - t0 < 10:
-                    if t_abort is None and count("disconnected") > drops:
-                        t_abort = time.monotonic() - t0
-                    if t_release is None:
-                        _, text = await asyncio.to_thread(http_get, port, "/metrics", 1)
-                        if gauge(text, "agentrun_active_runs") == 0:
-                            t_release = time.monotonic() - t0
-                    await asyncio.sleep(0.005)
-                if t_abort is None or t_release is None:
-                    raise TimeoutError("the cancel never landed")
-                aborted.append(t_abort)
-                released.append(t_release)
-                progress(f"cancel {i + 1}/{repeat}: stream dropped after {t_abort * 1000:.0f} ms")
-            if w.poll() is not None:
-                raise RuntimeError("the worker died during the cancel benchmark")
-    finally:
-        stop_processes(procs)
-        await store.close()
-    return {
-        "cancel_to_stream_aborted_s": statistics.median(aborted),
-        "cancel_to_run_released_s": statistics.median(released),
-        "cancel_samples_s": aborted,
-        "cancel_repeat": repeat,
-    }
+                for i in range(repeat):
+                    calls = sum(1 for e in srv.requests() if e.get("turn") == 0)
+                    drops = count("disconnected")
+                    run, _ = await store.create_run(f"cancel {i}", AGENT)
+                    deadline = time.monotonic() + 30
+                    while sum(1 for e in srv.requests() if e.get("turn") == 0) <= calls:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the model call never started")
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.5)  # well into the stream
+                    t0 = time.monotonic()
+                    await store.cancel(run.id)
+                    t_abort = t_release = None
+                    while (t_abort is None or t_release is None) and time.monotonic() - t0 < 10:
+                        if t_abort is None and count("disconnected") > drops:
+                            t_abort = time.monotonic() - t0
+                        if t_release is None:
+                            _, text = await asyncio.to_thread(http_get, port, "/metrics", 1)
+                            if gauge(text, "agentrun_active_runs") == 0:
+                                t_release = time.monotonic() - t0
+                        await asyncio.sleep(0.005)
+                    if t_abort is None or t_release is None:
+                        raise TimeoutError("the cancel never landed")
+                    aborted.append(t_abort)
+                    released.append(t_release)
+                    progress(f"cancel {i + 1}/{repeat}: stream dropped after "
+                             f"{t_abort * 1000:.0f} ms")
+                if w.poll() is not None:
+                    raise RuntimeError("the worker died during the cancel benchmark")
+        finally:
+            stop_processes(procs)
+            await store.close()
+        return {
+            "cancel_to_stream_aborted_s": statistics.median(aborted),
+            "cancel_to_run_released_s": statistics.median(released),
+            "cancel_samples_s": aborted,
+            "cancel_repeat": repeat,
+        }
 
 
 async def wait_run_step(store: Store, rid: Any) -> None:
@@ -646,20 +648,20 @@ async def per_step_bench(
 ) -> dict[str, Any]:
     """Durable vs in-memory ms per model turn in paired rounds, with and without thinking
     blocks, and each lever (overlap, inline tools) off vs on in the same rounds."""
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-"))
-    # The scripted model runs in a process of its own, as a real provider would: in this
-    # process its thread would compete with the loop under test for the GIL.
-    with fake_server(scenario_file(tmp, "fast", scenario(turns))) as fast:
-        steps = await per_step(url, fast, turns, rounds)
-    progress(f"per turn: durable over in-memory {_pm(steps, 'cost')} ms")
-    # Without thinking blocks the scripted server checks no signatures, so it burns far less CPU
-    # beside PostgreSQL on a small machine: a cleaner view of our own cost.
-    with fake_server(scenario_file(tmp, "plain", scenario(turns, thinking=False))) as plain:
-        plain_steps = await per_step(url, plain, turns, rounds)
-    steps.update({f"plain_{k}": v for k, v in plain_steps.items()})
-    steps.update(turns=turns, rounds=rounds, repeat=rounds)
-    progress(f"per turn without thinking: {_pm(plain_steps, 'cost')} ms")
-    return steps
+    with scratch_dir("agentrun-bench-") as tmp:
+        # The scripted model runs in a process of its own, as a real provider would: in this
+        # process its thread would compete with the loop under test for the GIL.
+        with fake_server(scenario_file(tmp, "fast", scenario(turns))) as fast:
+            steps = await per_step(url, fast, turns, rounds)
+        progress(f"per turn: durable over in-memory {_pm(steps, 'cost')} ms")
+        # Without thinking blocks the scripted server checks no signatures, so it burns far less CPU
+        # beside PostgreSQL on a small machine: a cleaner view of our own cost.
+        with fake_server(scenario_file(tmp, "plain", scenario(turns, thinking=False))) as plain:
+            plain_steps = await per_step(url, plain, turns, rounds)
+        steps.update({f"plain_{k}": v for k, v in plain_steps.items()})
+        steps.update(turns=turns, rounds=rounds, repeat=rounds)
+        progress(f"per turn without thinking: {_pm(plain_steps, 'cost')} ms")
+        return steps
 
 
 def _pm(r: dict[str, Any], key: str) -> str:
@@ -672,9 +674,9 @@ async def resume_bench(
     url: str, lease_ttl: float = 5.0, progress: Progress = _quiet
 ) -> dict[str, float]:
     """Resume latency after SIGKILL and SIGTERM of a real worker process."""
-    tmp = Path(tempfile.mkdtemp(prefix="agentrun-bench-"))
-    with fake_server(scenario_file(tmp, "slow", scenario(200, delay_ms=300))) as slow:
-        return await resume(url, slow, lease_ttl, progress)
+    with scratch_dir("agentrun-bench-") as tmp:
+        with fake_server(scenario_file(tmp, "slow", scenario(200, delay_ms=300))) as slow:
+            return await resume(url, slow, lease_ttl, progress)
 
 
 async def cancel_bench(url: str, repeat: int = 3, progress: Progress = _quiet) -> dict[str, Any]:
@@ -695,9 +697,9 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.breakdown:
-        with throwaway_database("agentrun_wbench", args.admin_url) as url, fake_server(
-                scenario_file(Path(tempfile.mkdtemp(prefix="agentrun-bench-")), "plain",
-                              scenario(args.turns, thinking=args.thinking))) as base:
+        with throwaway_database("agentrun_wbench", args.admin_url) as url, scratch_dir(
+                "agentrun-bench-") as tmp, fake_server(scenario_file(
+                    tmp, "plain", scenario(args.turns, thinking=args.thinking))) as base:
             parts = asyncio.run(breakdown(url, base, args.turns, args.rounds))
         blocks = "with" if args.thinking else "no"
         print(f"where a durable turn goes ({args.rounds} runs of {args.turns} turns, {blocks} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,7 +56,8 @@ def admin_url() -> Iterator[str]:
     try:
         yield server.get_uri()
     finally:
-        server.cleanup()
+        server.cleanup()  # stops it and deletes pgdata; the directory around it is ours
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def db_url(admin: str, dbname: str) -> str:

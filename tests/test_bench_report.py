@@ -4,13 +4,16 @@ and JSON, and judges each figure against its goal."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 from benchmarks import report
+from benchmarks.scratch import scratch_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +25,8 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
     # The real command, as README.md documents it, on a subset: the store benchmark and the
     # cancel benchmark (a real worker process against the scripted model server).
     out = tmp_path / "out"
+    scratch = tmp_path / "tmp"  # the benchmarks' TMPDIR: nothing of theirs stays in it
+    scratch.mkdir()
     res = subprocess.run(
         [
             sys.executable,
@@ -35,11 +40,13 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
             str(out),
         ],
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=170,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(p.name for p in scratch.iterdir()) == []  # the cancel bench's logs were left
     assert "store: append" in res.stdout  # progress lines as it goes
     md = (out / "report.md").read_text()
     data = json.loads((out / "report.json").read_text())
@@ -51,6 +58,20 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
     assert goals["resume after SIGKILL"]["measured"] == "not run (--only)"
     assert data["store"]["claims_per_s"] > 0
     assert data["machine"]["cores"] >= 1
+
+
+def test_a_scratch_directory_goes_when_its_benchmark_ends_well_and_stays_when_it_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch_dir("agentrun-bench-") as ok:
+        (ok / "worker.log").write_text("fine")
+    assert not ok.exists()
+    with pytest.raises(RuntimeError) as failed, scratch_dir("agentrun-bench-") as kept:
+        (kept / "worker.log").write_text("the evidence")
+        raise RuntimeError("the worker died")
+    assert (kept / "worker.log").read_text() == "the evidence"
+    assert failed.value.__notes__ == [f"(kept for its logs: {kept})"]
 
 
 def _results() -> dict[str, object]:

@@ -84,9 +84,10 @@ async def _soak(
     seed: int = 11,
     **chaos: Any,
 ) -> Report:
+    # Slow turns and few slots per worker, so the chaos lands in the middle of runs. Its logs
+    # stay only if it failed (its problems.log is the evidence) or raised.
     logdir = Path(tempfile.mkdtemp(prefix="agentrun-soak-"))
-    # Slow turns and few slots per worker, so the chaos lands in the middle of runs.
-    return await soak(
+    report = await soak(
         pg.url("agentrun_soak"),
         runs,
         seconds,
@@ -102,6 +103,9 @@ async def _soak(
         ledger_url=ledger_url,
         **chaos,
     )
+    if report.ok:
+        shutil.rmtree(logdir, ignore_errors=True)
+    return report
 
 
 async def test_small_seeded_soak_with_zombies_odd_payloads_and_postgres_restarts(
@@ -226,12 +230,14 @@ class _Life:
         return self.returncode
 
 
-def test_a_life_that_gets_the_pid_of_a_killed_one_serves_and_is_hit_like_any_other() -> None:
+def test_a_life_that_gets_the_pid_of_a_killed_one_serves_and_is_hit_like_any_other(
+    tmp_path: Path,
+) -> None:
     """An hour's soak forks more processes than pid_max, so pids come back. The first 90-minute
     run kept its records by pid: a life that got the pid of one it had SIGKILLed counted as on
     its way out, was never hit, and its slot got another life beside it (about 30 lives for 8
     slots by minute 14, and the kill rate fell from 2.4 to 0.9 a second)."""
-    fleet = _Fleet({}, Path(tempfile.mkdtemp()), 4, Report())
+    fleet = _Fleet({}, tmp_path, 4, Report())
     first, second = _Life(4242), _Life(4242)
     fleet.add(first, 0, "soak-0")
     fleet.hit(first, signal.SIGKILL)
