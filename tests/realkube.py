@@ -20,6 +20,7 @@ as a new user would see it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -102,6 +103,22 @@ class KubectlError(AssertionError):
     pass
 
 
+#: The kubectl and helm caches of every Kube of this process, each in a directory of its own
+#: under this one, which goes when the process exits: a Kube made for a moment (for_namespace's,
+#: a ServiceAccount's) is seldom closed, and a CI run left about 90 kcache-* directories in /tmp.
+_CACHE_ROOT: Path | None = None
+
+
+def kube_cache_dir() -> Path:
+    """A new cache directory under this process's root (made, and removal at exit arranged, on
+    first use)."""
+    global _CACHE_ROOT
+    if _CACHE_ROOT is None:
+        _CACHE_ROOT = Path(tempfile.mkdtemp(prefix="kcache-"))
+        atexit.register(shutil.rmtree, _CACHE_ROOT, True)
+    return Path(tempfile.mkdtemp(dir=_CACHE_ROOT))
+
+
 @dataclass
 class Kube(RestVerbs):
     """A client of a real API server (its kubeconfig's credentials), bound to a namespace.
@@ -111,7 +128,7 @@ class Kube(RestVerbs):
 
     kubeconfig: Path
     namespace: str = "default"
-    cache_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kcache-")))
+    cache_dir: Path = field(default_factory=kube_cache_dir)
     _api: kubernetes.client.ApiClient | None = None
 
     @property
