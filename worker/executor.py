@@ -439,8 +439,10 @@ class RunExecutor:
                         await pipelined
                         crash_point("after_model_turn_commit", seq - 1)
                     payload = {"content": content}
-                    results = self._commit_results(h, seq, payload, started, h.turn_commit)
-                    h.turn_commit = None  # the results' commit waits for it (and raises its error)
+                    # The turn's append (done already if a later call waited for it to land): the
+                    # results' commit waits for it and raises its error.
+                    results = self._commit_results(h, seq, payload, started, pipelined)
+                    h.turn_commit = None
                     messages.append({"role": "user", "content": content})
                     last, seq = ("tool_result", payload), seq + 1
                     if not self.overlap or self.is_draining() or h.rollback_requested:
