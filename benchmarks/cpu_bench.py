@@ -11,11 +11,14 @@ model at zero delay in a process of its own and PostgreSQL in its own: this proc
 The variants, interleaved round by round so that all see the same machine:
 
 * ``sdk`` (the baseline): the SDK's default transport (httpx), the stream read through the SDK's
-  events (``RAW_STREAM`` off) and the per-turn log line emitted (its logger at DEBUG), the worker
-  before issue 17's CPU work;
+  events (``RAW_STREAM`` off) and the per-turn log line emitted (its logger at DEBUG), every
+  object walked by the collector's full passes (``gc.unfreeze``): the worker before issue 17's
+  CPU work;
 * ``sdk_quiet``: the same, the per-turn line at DEBUG (the log lever alone);
-* ``raw_httpx``: the stream read straight into the stored dicts, no per-turn line, over httpx
-  (the transport lever left out);
+* ``raw_httpx``: the stream read straight into the stored dicts (the history's JSON kept from
+  turn to turn, model_call.BodyTexts), no per-turn line, the start-up objects frozen as the
+  worker freezes them (providers.freeze_startup_objects), over httpx (the transport lever left
+  out);
 * ``raw``: the worker as shipped: the same over the SDK's aiohttp transport (worker/client.py).
 
 A step is a committed step of the log (a model turn or a tool result). Figures: the median over
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -45,7 +49,7 @@ from agentrun.worker import model_call
 from agentrun.worker.client import AsyncAnthropic, client_options
 from agentrun.worker.executor import RunExecutor, RunHandle
 from agentrun.worker.health import Health, WorkerMetrics
-from agentrun.worker.providers import Providers
+from agentrun.worker.providers import Providers, freeze_startup_objects
 from agentrun.worker.settings import MODEL_TRANSPORTS, RetryPolicy
 from benchmarks.scratch import scratch_dir
 from benchmarks.worker_bench import (
@@ -68,6 +72,12 @@ def _transport(variant: str) -> str:
 
 def _configure(variant: str) -> None:
     model_call.RAW_STREAM = variant.startswith("raw")
+    # The start-up objects out of the collector's passes, as `agentrun worker` leaves them once
+    # the SDK is in (worker/providers.py), for the raw variants; back in for the SDK's.
+    if variant.startswith("raw"):
+        freeze_startup_objects()
+    else:
+        gc.unfreeze()
     # The baseline emits the per-turn line it had at INFO: the same record, one level lower.
     logging.getLogger(TURN_LOGGER).setLevel(logging.DEBUG if variant == "sdk" else logging.NOTSET)
 
@@ -123,6 +133,7 @@ async def run_bench(url: str, base_url: str, runs: int, rounds: int,
                          f"{steps / wall:.0f} steps/s")
     finally:
         _configure("raw")
+        gc.unfreeze()  # this process is no worker (the report goes on in it)
         await store.close()
         for c in clients.values():
             await c.close()

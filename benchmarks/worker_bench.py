@@ -134,10 +134,12 @@ async def in_memory_loop(
     the model is called and the tools are called exactly as RunExecutor calls them."""
     pv = prompt_for_agent(registry)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    texts = model_call.BodyTexts()  # as RunExecutor.advance keeps the history's JSON
     turns = 0
     while True:
         # Looked up at each turn, as RunExecutor.advance imports it: --breakdown times both.
-        turn = await model_call.call_model(client, build_request(pv, messages), policy=NO_RETRY)
+        turn = await model_call.call_model(client, build_request(pv, messages), policy=NO_RETRY,
+                                           texts=texts)
         turns += 1
         content = turn.payload["content"]
         messages.append({"role": "assistant", "content": content})

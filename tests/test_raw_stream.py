@@ -246,3 +246,64 @@ def test_the_body_is_the_sdks_encoding_of_the_canonical_request() -> None:
             from anthropic._utils._json import openapi_dumps_str
             sdk = escape_surrogates(openapi_dumps_str(expected))
         assert model_call._body(req) == sdk
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_runs_history_is_encoded_once_and_sent_as_the_same_bytes(
+    caching: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's requests carry the whole conversation every turn; with the run's BodyTexts each
+    message's content is encoded once (not at every turn: quadratic in the conversation), the
+    bytes are those of the body encoded whole, and what is kept is the latest request's, also
+    with prompt caching (whose breakpoints copy two messages a turn)."""
+    import random
+
+    from agentrun.store import PromptVersion
+
+    rng = random.Random(11)
+    pv = PromptVersion(
+        model="m", system="sys é", params={"max_tokens": 64, "prompt_caching": caching},
+        tools=[{"name": "echo", "input_schema": {"type": "object", "z": 1, "a": [2]}}],
+    )
+    encoded: list[Any] = []
+    canonical_text = model_call._canonical_text
+
+    def counting(value: Any) -> str:
+        encoded.append(value)
+        return canonical_text(value)
+
+    monkeypatch.setattr(model_call, "_canonical_text", counting)
+    texts = model_call.BodyTexts()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "the task \udcff"}]
+    for turn in range(12):
+        req = model_call.build_request(pv, messages)
+        body = model_call._body(req, texts)
+        lists_encoded = sum(1 for v in encoded if isinstance(v, list))
+        encoded.clear()
+        assert body == model_call._body(req)  # the same bytes as encoded whole
+        encoded.clear()
+        held = sum(1 for m in req["messages"] if isinstance(m["content"], list))
+        assert len(texts) <= held + 2  # this request's lists, its tools and system: no more
+        # New this turn: the newest two messages' content; with caching, the two it marks
+        # (copies) and the task (a text block made each turn), the tools and system (marked).
+        assert lists_encoded <= (2 if turn else 1) + (5 if caching else 0), (turn, lists_encoded)
+        call = {"type": "tool_use", "id": f"t{turn}", "name": "echo",
+                "input": {"text": "é" * rng.randint(0, 9), "n": [rng.random(), None]}}
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": "x"}, call]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"t{turn}", "content": "y" * turn}]})
+
+
+def test_body_texts_keep_no_value_by_an_id_another_object_took() -> None:
+    """Kept by identity, each entry holding its value: an equal list is encoded anew, a list no
+    request uses any more is let go, and one that is is still the same text."""
+    texts = model_call.BodyTexts()
+    a = [{"type": "text", "text": "a"}]
+    first = texts.text(a)
+    texts.body_done()
+    assert texts.text(a) is first  # the same object: the text kept
+    b = [{"type": "text", "text": "b"}]
+    assert texts.text(b) == '[{"text":"b","type":"text"}]'
+    texts.body_done()
+    texts.body_done()  # a body that used nothing: nothing kept
+    assert len(texts) == 0

@@ -371,7 +371,11 @@ class RunExecutor:
         # thread, so that a run claimed while `agentrun worker` still imports them in the
         # background waits for that import without holding the event loop (its heartbeats).
         await asyncio.to_thread(import_in_turn, SDK_MODULES[-1])
-        from agentrun.worker.model_call import build_request, call_model  # imported: at once
+        from agentrun.worker.model_call import (  # imported: at once
+            BodyTexts,
+            build_request,
+            call_model,
+        )
         run = h.run
         try:
             agent = run.agent
@@ -387,6 +391,7 @@ class RunExecutor:
         if [s.seq for s in steps] != list(range(len(steps))):
             raise RunFailed(f"step log is not contiguous: {[s.seq for s in steps]}")
         messages = rebuild_messages(run.task, steps)
+        texts = BodyTexts()  # the history's JSON, kept from one request to the next
         seq = len(steps)
         turns = sum(1 for s in steps if s.kind == "model_turn")
         spend = Spend.of(run, steps)
@@ -487,7 +492,7 @@ class RunExecutor:
             try:
                 asking = call_model(client, build_request(pv, messages), policy=self.retry,
                                     on_first_event=mid_stream.first_event,
-                                    on_retry=self._count_retry)
+                                    on_retry=self._count_retry, texts=texts)
             except BaseException:
                 if pending is not None:
                     await pending

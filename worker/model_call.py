@@ -296,12 +296,14 @@ async def call_model(
     on_first_event: OnEvent | None = None,
     on_retry: Callable[[str], None] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    texts: BodyTexts | None = None,
 ) -> ModelTurn:
-    """Stream one turn and return the assembled message; retry transient failures."""
+    """Stream one turn and return the assembled message; retry transient failures.
+    ``texts``: the run's :class:`BodyTexts`, so the history is not encoded whole every turn."""
     attempt = 0
     while True:
         try:
-            return await _call_once(client, request, policy.deadline, on_first_event)
+            return await _call_once(client, request, policy.deadline, on_first_event, texts)
         except Exception as exc:
             kind = classify(exc)
             if kind == "permanent":
@@ -327,12 +329,13 @@ async def _call_once(
     request: dict[str, Any],
     deadline: float,
     on_first_event: OnEvent | None,
+    texts: BodyTexts | None = None,
 ) -> ModelTurn:
     """One request, its whole stream read within ``deadline`` seconds."""
     timeout = asyncio.timeout(deadline)
     try:
         async with timeout:
-            return await _stream_turn(client, request, on_first_event)
+            return await _stream_turn(client, request, on_first_event, texts)
     except TimeoutError:
         if not timeout.expired():
             raise  # not ours (a cancellation of the run is a CancelledError and passes through)
@@ -385,6 +388,7 @@ async def _stream_turn(
     client: ModelClient,
     request: dict[str, Any],
     on_first_event: OnEvent | None,
+    texts: BodyTexts | None = None,
 ) -> ModelTurn:
     if not raw_route(client):
         return await _stream_turn_sdk(client, request, on_first_event)
@@ -393,7 +397,8 @@ async def _stream_turn(
     # a non-2xx status raised as its APIStatusError before any byte is read. The body goes as the
     # bytes the SDK would send (its own encoder), made here: the SDK would first copy the whole
     # history, every turn, looking for file inputs a worker never sends.
-    response = await client.request(httpx.Response, post_options(_body(request)), stream=True)
+    response = await client.request(httpx.Response, post_options(_body(request, texts)),
+                                    stream=True)
     try:
         message = await _read_stream(response, on_first_event, anthropic_client=client)
     except _malformed() as exc:
@@ -422,15 +427,77 @@ def _canonical_text(value: Any) -> str:
                       allow_nan=False)
 
 
-def _body(request: dict[str, Any]) -> bytes:
+class BodyTexts:
+    """The canonical JSON of a run's history, kept from one turn's request to the next, so each
+    message's content is encoded once rather than at every turn (the whole conversation every
+    turn: quadratic in its length, about 3.5 percent of a worker's CPU a step with 16 runs of 10
+    turns, benchmarks/cpu_bench.py).
+
+    Kept by the identity of the value encoded, which the entry holds, so no other object can take
+    its id while it is here. Sound because a value of the history is never written to once it is
+    in it: a content list is a step's payload as committed (the executor's and rebuild_messages'
+    messages), and place_breakpoints copies the block it marks and the list holding it. Only what
+    the latest request used is kept (:meth:`body_done`): a copy made for one turn's breakpoint is
+    dropped at the next, and what is held is about one request's JSON."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, tuple[object, str]] = {}
+        self._used: dict[int, tuple[object, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def text(self, value: Any) -> str:
+        """``value``'s canonical JSON (:func:`_canonical_text`), encoded once while kept."""
+        entry = self._texts.get(id(value))
+        if entry is None or entry[0] is not value:
+            entry = (value, _canonical_text(value))
+        self._used[id(value)] = entry
+        return entry[1]
+
+    def body_done(self) -> None:
+        """A request's body is written: keep what it used, nothing else."""
+        self._texts, self._used = self._used, {}
+
+
+#: A message's role as JSON, for the messages the executor makes (role and content alone).
+_ROLE_TEXT = {"user": '"user"', "assistant": '"assistant"'}
+
+
+def _message_text(message: dict[str, Any], texts: BodyTexts) -> str:
+    """What _canonical_text(message) writes, its content from ``texts``: keys sorted (content,
+    role), no spaces. Anything else (a string's content, the task's; another key) is encoded
+    whole, as it comes."""
+    content = message.get("content")
+    role = _ROLE_TEXT.get(message.get("role"))  # type: ignore[arg-type]
+    if role is None or len(message) != 2 or not isinstance(content, list):
+        return _canonical_text(message)
+    return '{"content":' + texts.text(content) + ',"role":' + role + "}"
+
+
+def _part_text(key: str, value: Any, texts: BodyTexts | None) -> str:
+    if key not in CANONICAL_PARTS:
+        return openapi_dumps_str(value)
+    if texts is None:
+        return _canonical_text(value)
+    if key == "messages" and isinstance(value, list):
+        return "[" + ",".join(
+            _message_text(m, texts) if isinstance(m, dict) else _canonical_text(m) for m in value
+        ) + "]"
+    return texts.text(value)  # the tools and the system prompt: the same objects every turn
+
+
+def _body(request: dict[str, Any], texts: BodyTexts | None = None) -> bytes:
     """The streamed request's JSON as the SDK writes ``canonical_request(request)``, written in
     one pass, a lone surrogate escaped as the clients of worker/client.py escape it (the SDK's
-    encoder cannot write one as UTF-8)."""
+    encoder cannot write one as UTF-8). With ``texts``, what an earlier request of the run
+    encoded is not encoded again (the same bytes)."""
     text = "{" + ",".join(
-        f"{openapi_dumps_str(key)}:"
-        f"{_canonical_text(value) if key in CANONICAL_PARTS else openapi_dumps_str(value)}"
+        f"{openapi_dumps_str(key)}:{_part_text(key, value, texts)}"
         for key, value in {**request, "stream": True}.items()
     ) + "}"
+    if texts is not None:
+        texts.body_done()
     try:
         return text.encode()
     except UnicodeEncodeError:

@@ -11,6 +11,7 @@ worker/client.py and the streamed call in worker/model_call.py, which import it 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 import threading
@@ -76,11 +77,11 @@ def _sdk_factories() -> Mapping[str, Factory]:
     return FACTORIES
 
 
-def import_sdk_in_background() -> threading.Thread:
+def import_sdk_in_background(on_imported: Callable[[], None] | None = None) -> threading.Thread:
     """Start importing the SDK (and the modules built on it) in a daemon thread, so that the
     worker's first claim does not wait for it; a later import of them waits for this one to end
     (Python's import lock) rather than starting over. A failure is left for that later import
-    to raise where it is handled."""
+    to raise where it is handled. ``on_imported`` is called from the thread once all are in."""
 
     def run() -> None:
         for name in SDK_MODULES:
@@ -88,10 +89,27 @@ def import_sdk_in_background() -> threading.Thread:
                 import_in_turn(name)
             except Exception:
                 return
+        if on_imported is not None:
+            on_imported()
 
     thread = threading.Thread(target=run, name="import-sdk", daemon=True)
     thread.start()
     return thread
+
+
+def freeze_startup_objects() -> int:
+    """Leave every object the collector tracks so far out of its passes from now on (gc.freeze)
+    and return how many. Called by ``agentrun worker`` on its event loop's thread once the SDK is
+    imported: the modules' objects (about 200,000, most of them the SDK's and pydantic's) live as
+    long as the process, and every full collection walked them all, about 0.12 s of CPU with the
+    event loop held, once every few thousand steps (docs/benchmarks.md). Garbage among them is
+    not collected (there is little at start-up, once); what is freed by reference counting still
+    is. On the loop's thread, not the import thread's: never in the middle of a collection that
+    another thread started."""
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.debug("%d start-up objects frozen: the collector passes them over", frozen)
+    return frozen
 
 
 def endpoint(url: object) -> str:

@@ -921,7 +921,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         exit_past_lingering_threads,
         until_store,
     )
-    from agentrun.worker.providers import Providers, import_sdk_in_background
+    from agentrun.worker.providers import (
+        Providers,
+        freeze_startup_objects,
+        import_sdk_in_background,
+    )
     from agentrun.worker.tracing import setup_tracing, shutdown_tracing
 
     setup_logging(args.log_format, args.log_level)
@@ -945,8 +949,14 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     # About 2 s of CPU to import the SDK: in a thread, off the way to the first claim
     # (worker/providers.py). Started once this process's own imports are done (they share one
     # GIL): it runs while the worker waits on the database, and a run claimed before it ends
-    # waits only for the rest of it.
-    import_sdk_in_background()
+    # waits only for the rest of it. Then its objects are frozen, on this loop's thread.
+    loop = asyncio.get_running_loop()
+
+    def imported() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the worker is gone
+            loop.call_soon_threadsafe(freeze_startup_objects)
+
+    import_sdk_in_background(imported)
     url, embedded = database_url()
 
     def open_store() -> Coroutine[Any, Any, Store]:
