@@ -252,46 +252,45 @@ def test_the_body_is_the_sdks_encoding_of_the_canonical_request() -> None:
 def test_a_runs_history_is_encoded_once_and_sent_as_the_same_bytes(
     caching: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run's requests carry the whole conversation every turn; with the run's BodyTexts each
-    message's content is encoded once (not at every turn: quadratic in the conversation), the
-    bytes are those of the body encoded whole, and what is kept is the latest request's, also
-    with prompt caching (whose breakpoints copy two messages a turn)."""
-    import random
-
+    """A run's requests carry the whole conversation every turn; with the run's BodyTexts what
+    is encoded anew each turn is what is new (the newest messages, and with prompt caching the
+    blocks it marks, the task's block, the last tool and the system prompt), not the whole
+    history again: no more at the 12th turn than at the 5th. The bytes are those of the
+    body encoded whole, and what is kept is no more than the latest request holds."""
     from agentrun.store import PromptVersion
 
-    rng = random.Random(11)
-    pv = PromptVersion(
-        model="m", system="sys é", params={"max_tokens": 64, "prompt_caching": caching},
-        tools=[{"name": "echo", "input_schema": {"type": "object", "z": 1, "a": [2]}}],
-    )
-    encoded: list[Any] = []
+    tools = [{"name": f"tool{i}", "input_schema": {"type": "object", "z": i, "a": [2]}}
+             for i in range(4)]
+    pv = PromptVersion(model="m", system="sys é", tools=tools,
+                       params={"max_tokens": 64, "prompt_caching": caching})
+    fresh: list[int] = []  # the characters encoded anew, of lists and dicts (not the parts)
     canonical_text = model_call._canonical_text
 
     def counting(value: Any) -> str:
-        encoded.append(value)
-        return canonical_text(value)
+        text = canonical_text(value)
+        if isinstance(value, list | dict):
+            fresh.append(len(text))
+        return text
 
     monkeypatch.setattr(model_call, "_canonical_text", counting)
     texts = model_call.BodyTexts()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "the task \udcff"}]
+    per_turn: list[int] = []
     for turn in range(12):
         req = model_call.build_request(pv, messages)
+        fresh.clear()
         body = model_call._body(req, texts)
-        lists_encoded = sum(1 for v in encoded if isinstance(v, list))
-        encoded.clear()
+        per_turn.append(sum(fresh))
         assert body == model_call._body(req)  # the same bytes as encoded whole
-        encoded.clear()
-        held = sum(1 for m in req["messages"] if isinstance(m["content"], list))
-        assert len(texts) <= held + 2  # this request's lists, its tools and system: no more
-        # New this turn: the newest two messages' content; with caching, the two it marks
-        # (copies) and the task (a text block made each turn), the tools and system (marked).
-        assert lists_encoded <= (2 if turn else 1) + (5 if caching else 0), (turn, lists_encoded)
-        call = {"type": "tool_use", "id": f"t{turn}", "name": "echo",
-                "input": {"text": "é" * rng.randint(0, 9), "n": [rng.random(), None]}}
+        blocks = sum(len(m["content"]) + 1 for m in req["messages"]
+                     if isinstance(m["content"], list))
+        assert len(texts) <= blocks + len(tools) + 1 + 2  # the request's lists and blocks
+        call = {"type": "tool_use", "id": f"t{turn:02}", "name": "tool0",
+                "input": {"text": "é" * 5, "n": [0.5, None]}}
         messages.append({"role": "assistant", "content": [{"type": "text", "text": "x"}, call]})
         messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"t{turn}", "content": "y" * turn}]})
+            {"type": "tool_result", "tool_use_id": f"t{turn:02}", "content": "y" * 5}]})
+    assert per_turn[-1] <= per_turn[4], per_turn  # no more at the 12th turn than at the 5th
 
 
 def test_body_texts_keep_no_value_by_an_id_another_object_took() -> None:

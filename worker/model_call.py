@@ -430,15 +430,20 @@ def _canonical_text(value: Any) -> str:
 class BodyTexts:
     """The canonical JSON of a run's history, kept from one turn's request to the next, so each
     message's content is encoded once rather than at every turn (the whole conversation every
-    turn: quadratic in its length, about 3.5 percent of a worker's CPU a step with 16 runs of 10
-    turns, benchmarks/cpu_bench.py).
+    turn: quadratic in its length; benchmarks/cpu_bench.py, docs/benchmarks.md).
+
+    A list is kept whole, and a list not kept is written from its blocks (the dicts in it), each
+    kept: prompt caching marks the last block of two messages, and of the tools, by copying that
+    block and the list holding it, so a copy's other blocks are the history's own and only the
+    marked block is new (all the tools were encoded again every turn, the conversation's marked
+    messages too).
 
     Kept by the identity of the value encoded, which the entry holds, so no other object can take
     its id while it is here. Sound because a value of the history is never written to once it is
     in it: a content list is a step's payload as committed (the executor's and rebuild_messages'
-    messages), and place_breakpoints copies the block it marks and the list holding it. Only what
-    the latest request used is kept (:meth:`body_done`): a copy made for one turn's breakpoint is
-    dropped at the next, and what is held is about one request's JSON."""
+    messages), the tools are the pinned prompt version's, and place_breakpoints copies what it
+    marks. Only what the latest request used is kept (:meth:`body_done`): a copy made for one
+    turn's breakpoint is dropped at the next, and what is held is about one request's JSON."""
 
     def __init__(self) -> None:
         self._texts: dict[int, tuple[object, str]] = {}
@@ -448,7 +453,21 @@ class BodyTexts:
         return len(self._texts)
 
     def text(self, value: Any) -> str:
-        """``value``'s canonical JSON (:func:`_canonical_text`), encoded once while kept."""
+        """``value``'s canonical JSON (:func:`_canonical_text`), encoded once while kept; a
+        list not kept is written from its blocks' texts (the same bytes: ``[``, the items
+        joined by ``,``, ``]``)."""
+        entry = self._texts.get(id(value))
+        if entry is None or entry[0] is not value:
+            if type(value) is list:
+                entry = (value, "[" + ",".join(map(self._block, value)) + "]")
+            else:
+                entry = (value, _canonical_text(value))
+        self._used[id(value)] = entry
+        return entry[1]
+
+    def _block(self, value: Any) -> str:
+        if type(value) is not dict:
+            return _canonical_text(value)
         entry = self._texts.get(id(value))
         if entry is None or entry[0] is not value:
             entry = (value, _canonical_text(value))
