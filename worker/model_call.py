@@ -487,8 +487,8 @@ def _message_text(message: dict[str, Any], texts: BodyTexts) -> str:
     """What _canonical_text(message) writes, its content from ``texts``: keys sorted (content,
     role), no spaces. Anything else (a string's content, the task's; another key) is encoded
     whole, as it comes."""
-    content = message.get("content")
-    role = _ROLE_TEXT.get(message.get("role"))  # type: ignore[arg-type]
+    content, role = message.get("content"), message.get("role")
+    role = _ROLE_TEXT.get(role) if isinstance(role, str) else None
     if role is None or len(message) != 2 or not isinstance(content, list):
         return _canonical_text(message)
     return '{"content":' + texts.text(content) + ',"role":' + role + "}"
