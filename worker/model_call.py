@@ -456,21 +456,18 @@ class BodyTexts:
         """``value``'s canonical JSON (:func:`_canonical_text`), encoded once while kept; a
         list not kept is written from its blocks' texts (the same bytes: ``[``, the items
         joined by ``,``, ``]``)."""
-        entry = self._texts.get(id(value))
-        if entry is None or entry[0] is not value:
-            if type(value) is list:
-                entry = (value, "[" + ",".join(map(self._block, value)) + "]")
-            else:
-                entry = (value, _canonical_text(value))
-        self._used[id(value)] = entry
-        return entry[1]
+        return self._kept(value, self._list_text if type(value) is list else _canonical_text)
+
+    def _list_text(self, value: list[Any]) -> str:
+        return "[" + ",".join(map(self._block, value)) + "]"
 
     def _block(self, value: Any) -> str:
-        if type(value) is not dict:
-            return _canonical_text(value)
+        return self._kept(value, _canonical_text) if type(value) is dict else _canonical_text(value)
+
+    def _kept(self, value: Any, encode: Callable[[Any], str]) -> str:
         entry = self._texts.get(id(value))
         if entry is None or entry[0] is not value:
-            entry = (value, _canonical_text(value))
+            entry = (value, encode(value))
         self._used[id(value)] = entry
         return entry[1]
 
@@ -488,10 +485,10 @@ def _message_text(message: dict[str, Any], texts: BodyTexts) -> str:
     role), no spaces. Anything else (a string's content, the task's; another key) is encoded
     whole, as it comes."""
     content, role = message.get("content"), message.get("role")
-    role = _ROLE_TEXT.get(role) if isinstance(role, str) else None
-    if role is None or len(message) != 2 or not isinstance(content, list):
+    role_text = _ROLE_TEXT.get(role) if isinstance(role, str) else None
+    if role_text is None or len(message) != 2 or not isinstance(content, list):
         return _canonical_text(message)
-    return '{"content":' + texts.text(content) + ',"role":' + role + "}"
+    return '{"content":' + texts.text(content) + ',"role":' + role_text + "}"
 
 
 def _part_text(key: str, value: Any, texts: BodyTexts | None) -> str:

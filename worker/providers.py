@@ -97,9 +97,9 @@ def import_sdk_in_background(on_imported: Callable[[], None] | None = None) -> t
     return thread
 
 
-def freeze_startup_objects() -> int:
-    """Leave every object the collector tracks so far out of its passes from now on (gc.freeze)
-    and return how many. Called by ``agentrun worker`` on its event loop's thread once the SDK is
+def freeze_startup_objects() -> None:
+    """Leave every object the collector tracks so far out of its passes from now on (gc.freeze),
+    and log how many. Called by ``agentrun worker`` on its event loop's thread once the SDK is
     imported: the modules' objects (about 200,000, most of them the SDK's and pydantic's) live as
     long as the process, and every full collection walked them all, about 0.12 s of CPU with the
     event loop held, once every few thousand steps (docs/benchmarks.md). Garbage among them is
@@ -107,9 +107,7 @@ def freeze_startup_objects() -> int:
     is. On the loop's thread, not the import thread's: never in the middle of a collection that
     another thread started."""
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    log.debug("%d start-up objects frozen: the collector passes them over", frozen)
-    return frozen
+    log.debug("%d start-up objects frozen: the collector passes them over", gc.get_freeze_count())
 
 
 def endpoint(url: object) -> str:
