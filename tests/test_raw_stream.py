@@ -10,9 +10,9 @@ from typing import Any
 import anthropic
 import pytest
 
+from agentrun.canonical import canonical_json
 from agentrun.fake_anthropic import FakeAnthropicServer
 from agentrun.fake_anthropic.scenario import builtin_scenario_path, load_scenario, parse_scenario
-from agentrun.store import canonical_json
 from agentrun.worker import model_call
 from agentrun.worker.client import AsyncAnthropic
 from agentrun.worker.model_call import MalformedStream, classify

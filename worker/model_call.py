@@ -44,8 +44,9 @@ from anthropic._models import FinalRequestOptions
 from anthropic._utils._json import openapi_dumps_str
 from jiter import from_json
 
+from agentrun.canonical import canonical_json
 from agentrun.manifests import DEFAULT_MAX_TOKENS
-from agentrun.store import PromptVersion, canonical_json, jsonb_form
+from agentrun.store import PromptVersion, jsonb_form
 from agentrun.worker.client import escape_surrogates
 from agentrun.worker.providers import ModelClient, PermanentModelError, TransientExhausted
 from agentrun.worker.settings import RetryPolicy
@@ -423,8 +424,7 @@ async def _stream_turn(
 def _canonical_text(value: Any) -> str:
     # canonical_json's bytes, a NaN or infinity refused as the SDK's encoder refuses it
     # (anthropic._utils._json): the body must not hold what the API cannot parse.
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
+    return canonical_json(value, allow_nan=False)
 
 
 class BodyTexts:

@@ -54,6 +54,7 @@ from psycopg.types.string import (
 )
 from psycopg_pool import AsyncConnectionPool
 
+from agentrun.canonical import canonical_json
 from agentrun.config import (
     DATABASE_URL_ENV,
     env_float,
@@ -262,10 +263,6 @@ async def connect(
     params = opts.libpq(url, statement_timeout=statement_timeout)
     kwargs.setdefault("cursor_factory", StoreCursor)
     return await StoreConnection.connect(url, autocommit=autocommit, **params, **kwargs)
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 # -- what PostgreSQL cannot hold -------------------------------------------------------------------

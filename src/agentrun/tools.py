@@ -59,6 +59,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_type_hints, overload
 import pydantic
 import pydantic_core
 
+from agentrun.canonical import canonical_json
 from agentrun.errors import AgentrunError, ConfigError
 
 __all__ = [
@@ -222,7 +223,7 @@ def idempotency_key(run_id: str, seq: int, tool: str, args: dict[str, Any], call
     Never from the clock or a random id: every attempt at the same step yields the same key, and
     two identical calls in the same turn differ by ``call_index``.
     """
-    canonical = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = canonical_json(args)
     raw = f"{run_id}:{seq}:{call_index}:{tool}:{canonical}"
     return hashlib.sha256(raw.encode("utf-8")).hexdigest()
 

@@ -29,7 +29,9 @@ from typing import Any, Self
 
 from aiohttp import web
 
+from agentrun.canonical import canonical_json
 from agentrun.fake_anthropic import platforms
+from agentrun.fake_anthropic.canon import RequestTexts, prefix_tokens, strip_cache_control
 from agentrun.fake_anthropic.platforms import PlatformError, TokenIssuer, VertexAuth
 from agentrun.fake_anthropic.scenario import (
     Fault,
@@ -41,12 +43,7 @@ from agentrun.fake_anthropic.scenario import (
     error_type_for,
     resolve_scenario,
 )
-from agentrun.fake_anthropic.signing import (
-    canonical_json,
-    find_invalid_signature,
-    sign_thinking,
-    strip_cache_control,
-)
+from agentrun.fake_anthropic.signing import Signatures
 
 log = logging.getLogger("agentrun.fake_anthropic")
 
@@ -221,20 +218,11 @@ class PromptCache:
             keys.append(end.hexdigest())
         return keys
 
-    def account(self, body: dict[str, Any]) -> dict[str, int]:
+    def account(self, texts: RequestTexts) -> dict[str, int]:
         """The usage fields of the prompt, and the breakpoints' prefixes written."""
-        items, marks = prompt_blocks(body)
-        parts = [canonical_json(item) for item in items]
-        keys = self._prefix_keys(body.get("model"), parts, max(marks, default=0))
-        # len(canonical_json(items[:n])) without writing it: the parts, their commas, brackets.
-        ends = [0]
-        for part in parts:
-            ends.append(ends[-1] + len(part))
-
-        def tokens(n: int) -> int:  # estimate_tokens(items[:n]); nothing for no prefix
-            return max(1, (ends[n] + n + 1) // 4) if n else 0
-
-        total = max(1, tokens(len(items)))  # estimate_tokens(items), an empty prompt's too
+        parts, marks = texts.prompt()
+        keys = self._prefix_keys(texts.body.get("model"), parts, max(marks, default=0))
+        counts = prefix_tokens(parts)
         read = 0
         for mark in marks:
             for n in range(mark, max(0, mark - CACHE_LOOKBACK_BLOCKS) - 1, -1):
@@ -244,10 +232,10 @@ class PromptCache:
         written = max(marks, default=0)
         for mark in marks:
             self._written.add(keys[mark])
-        read_tokens = tokens(read)
-        write_tokens = max(0, tokens(written) - read_tokens) if written > read else 0
+        read_tokens = counts[read] if read else 0
+        write_tokens = max(0, counts[written] - read_tokens) if written > read else 0
         return {
-            "input_tokens": max(0, total - read_tokens - write_tokens),
+            "input_tokens": max(0, counts[-1] - read_tokens - write_tokens),
             "cache_creation_input_tokens": write_tokens,
             "cache_read_input_tokens": read_tokens,
         }
@@ -284,24 +272,22 @@ def build_message(
     scenario: Scenario,
     script: Script,
     turn_index: int,
-    body: dict[str, Any],
+    signatures: Signatures,
     prompt_usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The Message the non-streaming call returns; streaming replays it as events."""
+    """The Message the non-streaming call returns; streaming replays it as events.
+    ``signatures``: the request's, which checked its history (its canonical JSON written and
+    hashed once for both)."""
+    texts = signatures.texts
+    body = texts.body
     turn = script.turns[turn_index]
     content: list[dict[str, Any]] = []
     for k, block in enumerate(turn.content):
         if isinstance(block, TextBlock):
             content.append({"type": "text", "text": block.sent_text, "citations": None})
         elif isinstance(block, ThinkingBlock):
-            signature = sign_thinking(
-                scenario.secret,
-                model=body.get("model"),
-                system=body.get("system"),
-                tools=body.get("tools"),
-                messages_before=body["messages"],
-                thinking=block.thinking,
-            )
+            # Bound to every message of the request (signing.sign_thinking, the definition).
+            signature = signatures.expected(len(texts.messages), block.thinking)
             content.append({"type": "thinking", "thinking": block.thinking, "signature": signature})
         else:
             content.append(
@@ -314,7 +300,7 @@ def build_message(
             )
     if prompt_usage is None:  # no cache: the whole prompt is input
         prompt_usage = {
-            "input_tokens": estimate_tokens(prompt_blocks(body)[0]),
+            "input_tokens": prefix_tokens(texts.prompt()[0])[-1],
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
         }
@@ -591,7 +577,9 @@ class _Handlers:
                 entry["messages"] = body["messages"]
             script, turn_index = _select(scenario, body)
             entry.update(script=script.name, turn=turn_index)
-            invalid = find_invalid_signature(scenario.secret, body)
+            # The request's canonical JSON, written once for the signatures and the cache.
+            signatures = Signatures(scenario.secret, RequestTexts(body))
+            invalid = signatures.first_invalid()
             if invalid is not None:
                 raise ApiError(400, invalid)
             turn = script.turns[turn_index]
@@ -611,8 +599,8 @@ class _Handlers:
                     )
             # Accounted once the request is answered (a fault above writes nothing), as the API
             # writes the cache for a request it processes.
-            usage = self.state.cache.account(body)
-            message = build_message(scenario, script, turn_index, body, usage)
+            usage = self.state.cache.account(signatures.texts)
+            message = build_message(scenario, script, turn_index, signatures, usage)
             entry["usage"] = dict(message["usage"])
         except (ApiError, PlatformError) as err:
             entry.update(status=err.status, error=err.message, completed=True)
@@ -648,7 +636,7 @@ class _Handlers:
         if not isinstance(body.get("messages"), list):
             return _error_response(ApiError(400, "messages: Field required"), request_id)
         return web.json_response(
-            {"input_tokens": estimate_tokens(prompt_blocks(body)[0])},
+            {"input_tokens": prefix_tokens(RequestTexts(body).prompt()[0])[-1]},
             headers={"request-id": request_id},
         )
 

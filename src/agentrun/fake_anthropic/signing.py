@@ -19,21 +19,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 from typing import Any
 
-
-def canonical_json(value: Any) -> str:
-    """Key order does not matter; every key, value and type does."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def strip_cache_control(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: strip_cache_control(v) for k, v in value.items() if k != "cache_control"}
-    if isinstance(value, list):
-        return [strip_cache_control(v) for v in value]
-    return value
+from agentrun.canonical import canonical_json
+from agentrun.fake_anthropic.canon import RequestTexts, strip_cache_control
 
 
 def sign_thinking(
@@ -74,47 +63,55 @@ def _b(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+class Signatures:
+    """:func:`sign_thinking` for the blocks of one request, without writing the whole binding
+    again for each block: its canonical JSON (keys sorted: messages_before, model, system,
+    thinking_text, tools) is the messages' bare JSON, one by one, then a tail, so one HMAC takes
+    each message once and is copied at each block (a history of n turns is hashed in O(n), not
+    O(n^2)). ``expected`` is asked for prefixes that never shrink: the history's blocks in order,
+    then the answer's, bound to every message."""
+
+    def __init__(self, secret: str, texts: RequestTexts) -> None:
+        self.texts = texts
+        self._mac = hmac.new(secret.encode(), b'{"messages_before":[', hashlib.sha256)
+        self._hashed = 0  # messages[:_hashed] are in _mac
+        self._rest: str | None = None  # the binding after messages_before up to thinking_text
+
+    def expected(self, before: int, thinking: str) -> str:
+        """The signature of a thinking block that follows ``messages[:before]``."""
+        texts = self.texts
+        for i in range(self._hashed, before):
+            self._mac.update((b"," if i else b"") + _b(texts.message(i)))
+        self._hashed = max(self._hashed, before)
+        if self._rest is None:
+            self._rest = f'],"model":{texts.top("model")},"system":{texts.top("system")}'
+        mine = self._mac.copy()
+        mine.update(_b(f'{self._rest},"thinking_text":{canonical_json(thinking)},'
+                       f'"tools":{texts.top("tools")}}}'))
+        return base64.b64encode(mine.digest()).decode("ascii")
+
+    def first_invalid(self) -> str | None:
+        """The first thinking block of the history whose signature is not the one its place
+        gives (the API's error message), or None when all verify."""
+        for i, message in enumerate(self.texts.messages):
+            if not isinstance(message, dict) or message.get("role") != "assistant":
+                continue
+            content = message.get("content")
+            if not isinstance(content, list):
+                continue
+            for k, block in enumerate(content):
+                if not isinstance(block, dict) or block.get("type") != "thinking":
+                    continue
+                signature = block.get("signature")
+                thinking = block.get("thinking")
+                if not isinstance(signature, str) or not isinstance(thinking, str):
+                    return invalid_signature_message(i, k)
+                if not hmac.compare_digest(self.expected(i, thinking), signature):
+                    return invalid_signature_message(i, k)
+        return None
+
+
 def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
     """Check every thinking block of every assistant message against the request's own
-    model/system/tools/messages[:i]; return the first error message, or None when all verify.
-
-    Each block's expected signature is :func:`sign_thinking`'s, computed without writing the
-    whole binding again for each block: its canonical JSON (keys sorted: messages_before, model,
-    system, thinking_text, tools) is the messages' canonical JSON, one by one, then a tail, so
-    one HMAC takes each message once and is copied at each block (a history of n turns is
-    hashed in O(n), not O(n^2))."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    mac = hmac.new(secret.encode(), b'{"messages_before":[', hashlib.sha256)
-    hashed = 0  # messages[:hashed] are in mac
-    rest: str | None = None  # the binding after messages_before up to the thinking text
-
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") != "assistant":
-            continue
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for k, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "thinking":
-                continue
-            signature = block.get("signature")
-            thinking = block.get("thinking")
-            if not isinstance(signature, str) or not isinstance(thinking, str):
-                return invalid_signature_message(i, k)
-            for m in messages[hashed:i]:
-                mac.update((b"," if hashed else b"") + _b(canonical_json(strip_cache_control(m))))
-                hashed += 1
-            if rest is None:
-                rest = "".join(f"{sep}{canonical_json(key)}:"
-                               f"{canonical_json(strip_cache_control(body.get(key)))}"
-                               for sep, key in (("],", "model"), (",", "system")))
-            tail = (f"{rest},\"thinking_text\":{canonical_json(thinking)},\"tools\":"
-                    f"{canonical_json(strip_cache_control(body.get('tools')))}}}")
-            mine = mac.copy()
-            mine.update(_b(tail))
-            expected = base64.b64encode(mine.digest()).decode("ascii")
-            if not hmac.compare_digest(expected, signature):
-                return invalid_signature_message(i, k)
-    return None
+    model/system/tools/messages[:i]; return the first error message, or None when all verify."""
+    return Signatures(secret, RequestTexts(body)).first_invalid()
