@@ -26,7 +26,7 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
         return rng.choice(_ODD + _NUMBERS)
     if r < 0.65:
         return [_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    keys = _ODD + ["a", "b", "z", "cache_control"]
+    keys = [*_ODD, "a", "b", "z", "cache_control"]
     return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
 
 

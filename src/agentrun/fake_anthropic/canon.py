@@ -145,6 +145,10 @@ class RequestTexts:
                     add(f'{{"block":{text},"message":{i},"role":{role}}}', block)
         return parts, marks
 
+    def prompt_tokens(self) -> int:
+        """The whole prompt's token estimate, as if nothing were cached."""
+        return prefix_tokens(self.prompt()[0])[-1]
+
 
 def prefix_tokens(parts: list[str]) -> list[int]:
     """``estimate_tokens(items[:n])`` (four characters of canonical JSON a token) for every n,

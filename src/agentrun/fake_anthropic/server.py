@@ -158,7 +158,9 @@ CACHE_LOOKBACK_BLOCKS = 20
 def prompt_blocks(body: dict[str, Any]) -> tuple[list[Any], list[int]]:
     """The prompt as the API's cache sees it: tools, then system, then every message block, in
     order (a string is one text block, as the API tokenizes it), without their cache_control;
-    and the positions (prefix lengths) that end at a ``cache_control`` breakpoint."""
+    and the positions (prefix lengths) that end at a ``cache_control`` breakpoint. The definition:
+    the server writes the same items' JSON from a request's shared texts
+    (``RequestTexts.prompt``, checked against this by tests/test_fake_fast_paths.py)."""
     items: list[Any] = []
     marks: list[int] = []
 
@@ -300,7 +302,7 @@ def build_message(
             )
     if prompt_usage is None:  # no cache: the whole prompt is input
         prompt_usage = {
-            "input_tokens": prefix_tokens(texts.prompt()[0])[-1],
+            "input_tokens": texts.prompt_tokens(),
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
         }
@@ -636,7 +638,7 @@ class _Handlers:
         if not isinstance(body.get("messages"), list):
             return _error_response(ApiError(400, "messages: Field required"), request_id)
         return web.json_response(
-            {"input_tokens": prefix_tokens(RequestTexts(body).prompt()[0])[-1]},
+            {"input_tokens": RequestTexts(body).prompt_tokens()},
             headers={"request-id": request_id},
         )
 
