@@ -29,11 +29,13 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import importlib
 import inspect
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -152,6 +154,29 @@ def _read(path: str) -> str:
         return ""
 
 
+def speed_reference(trials: int = 7) -> float:
+    """The same fixed CPU work every sitting, in this process: milliseconds, median of
+    ``trials``. Machines of one kind differ by up to 2x between sittings here (a shared VM's
+    neighbours, its CPU's clock), so absolute figures of two reports compare only beside this:
+    a report twice as slow with a reference twice as long says the machine, not the code. The
+    work is a worker's kind: JSON written and read back, a hash, dicts built in a loop."""
+    request = {"model": "m", "messages": [
+        {"role": "user" if i % 2 else "assistant",
+         "content": [{"type": "text", "text": f"step {i} " * 8, "citations": None}]}
+        for i in range(60)]}
+    times, roles = [], 0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for i in range(200):
+            text = json.dumps(request, sort_keys=True, separators=(",", ":"))
+            hashlib.sha256(text.encode()).digest()
+            back = json.loads(text)
+            roles += len({f"k{j}": back["messages"][j]["role"] for j in range(i % 60)})
+        times.append((time.perf_counter() - t0) * 1000)
+    assert roles == trials * sum(i % 60 for i in range(200))  # the work was all done
+    return statistics.median(times)
+
+
 def machine(admin_url: str) -> dict[str, Any]:
     cpu = next(
         (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
@@ -180,6 +205,7 @@ def machine(admin_url: str) -> dict[str, Any]:
         "cpu": cpu,
         "memory_gib": round(mem / 1024 / 1024, 1),
         "load_average_at_start": os.getloadavg(),
+        "speed_reference_ms": round(speed_reference(), 1),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "postgres": pg,
@@ -829,7 +855,9 @@ def markdown(res: dict[str, Any], errors: dict[str, str], table: list[Row], runt
         "",
         f"Machine: {m.get('cores')} cores ({m.get('cpu')}), {m.get('memory_gib')} GiB, "
         f"Python {m.get('python')}, load average at start "
-        f"{', '.join(f'{x:.2f}' for x in m.get('load_average_at_start', []))}. PostgreSQL "
+        f"{', '.join(f'{x:.2f}' for x in m.get('load_average_at_start', []))}, the reference "
+        f"work (`report.speed_reference`, fixed; longer on a slower sitting) "
+        f"{m.get('speed_reference_ms', '?')} ms. PostgreSQL "
         f"{pg.get('server_version')} (fsync {pg.get('fsync')}, synchronous_commit "
         f"{pg.get('synchronous_commit')}) for the store, loop, resume, cancel and throughput "
         f"figures; {res.get('own_server', 'a server of our own')} (started by the report, "

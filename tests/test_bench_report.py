@@ -58,6 +58,9 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
     assert goals["resume after SIGKILL"]["measured"] == "not run (--only)"
     assert data["store"]["claims_per_s"] > 0
     assert data["machine"]["cores"] >= 1
+    # The machine's speed this sitting, beside its absolute figures.
+    assert data["machine"]["speed_reference_ms"] > 0
+    assert f"{data['machine']['speed_reference_ms']} ms" in md.split("## Figures")[0]
 
 
 def test_a_scratch_directory_goes_when_its_benchmark_ends_well_and_stays_when_it_fails(
