@@ -7,6 +7,9 @@ two cores, so its cost per step is part of every steps/s figure; its answers mus
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import random
 from typing import Any
@@ -15,18 +18,71 @@ import agentrun.canonical as canonical
 from agentrun.canonical import canonical_json
 from agentrun.fake_anthropic.canon import RequestTexts, prefix_tokens, strip_cache_control
 from agentrun.fake_anthropic.scenario import parse_scenario
-from agentrun.fake_anthropic.server import (
-    PromptCache,
-    build_message,
-    estimate_tokens,
-    prompt_blocks,
-)
-from agentrun.fake_anthropic.signing import (
-    Signatures,
-    find_invalid_signature,
-    invalid_signature_message,
-    sign_thinking,
-)
+from agentrun.fake_anthropic.server import PromptCache, build_message, estimate_tokens
+from agentrun.fake_anthropic.signing import Signatures, invalid_signature_message
+
+# -- the definitions, written whole: what the server's one-pass texts must equal ---------------
+
+
+def sign_thinking(
+    secret: str,
+    *,
+    model: Any,
+    system: Any,
+    tools: Any,
+    messages_before: list[Any],
+    thinking: str,
+) -> str:
+    """The binding written whole (the definition signing.Signatures is checked against):
+    HMAC-SHA256 over its canonical JSON without cache_control, base64-encoded."""
+    payload = canonical_json(
+        strip_cache_control({
+            "model": model,
+            "system": system,
+            "tools": tools,
+            "messages_before": messages_before,
+            "thinking_text": thinking,
+        })
+    )
+    # surrogatepass: a lone surrogate (a tool's output, sent as a JSON \ud800 escape) is still
+    # bound by the signature instead of making the server answer 500.
+    digest = hmac.new(secret.encode(), payload.encode("utf-8", "surrogatepass"),
+                      hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def prompt_blocks(body: dict[str, Any]) -> tuple[list[Any], list[int]]:
+    """The prompt as the API's cache sees it: tools, then system, then every message block, in
+    order (a string is one text block, as the API tokenizes it), without their cache_control;
+    and the positions (prefix lengths) that end at a ``cache_control`` breakpoint. The definition
+    RequestTexts.prompt's texts are checked against."""
+    items: list[Any] = []
+    marks: list[int] = []
+
+    def add(item: Any, block: Any) -> None:
+        items.append(strip_cache_control(item))
+        if isinstance(block, dict) and block.get("cache_control"):
+            marks.append(len(items))
+
+    tools = body.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        add({"tool": tool}, tool)
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        add({"system": {"type": "text", "text": system}}, None)
+    elif isinstance(system, list):
+        for block in system:
+            add({"system": block}, block)
+    for i, message in enumerate(body["messages"]):
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for block in blocks if isinstance(blocks, list) else []:
+            add({"message": i, "role": message.get("role"), "block": block}, block)
+    return items, marks
+
+
+def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
+    return Signatures(secret, RequestTexts(body)).first_invalid()
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:

@@ -8,14 +8,19 @@ cache (a key per prefix of tools, system and message blocks). All three hash can
 every block) and encoded three times per request, which grows with the conversation: 1.3 ms a
 request at 30 turns, on the benchmarks' two cores beside the worker. :class:`RequestTexts` writes
 each block once and builds the messages, lists and prompt items from the blocks' texts: the same
-bytes as :func:`canonical_json` of the stripped value (tests/test_fake_fast_paths.py).
+bytes as :func:`canonical_json` of the stripped value (tests/test_fake_fast_paths.py checks
+them against the definitions written whole).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from agentrun.canonical import canonical_json
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: Only JSON that holds this key has anything to strip (a key is written as a JSON string
 #: followed by ``:``; a string value that holds the words is written with its quotes escaped).
@@ -47,6 +52,14 @@ def _role_json(role: Any) -> str:
     return (_ROLES.get(role) if type(role) is str else None) or bare_json(role)
 
 
+def _kept(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
+    """``cache[key]``, made once."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
 def _str_keys(value: dict[Any, Any]) -> bool:
     return all(isinstance(k, str) for k in value)
 
@@ -66,56 +79,49 @@ class RequestTexts:
 
     def items(self, key: str) -> list[str]:
         """The bare JSON of each element of ``body[key]`` when it is a list (tools, system)."""
-        texts = self._items.get(key)
-        if texts is None:
+        def make() -> list[str]:
             value = self.body.get(key)
-            texts = self._items[key] = (
-                [bare_json(v) for v in value] if isinstance(value, list) else [])
-        return texts
+            return [bare_json(v) for v in value] if isinstance(value, list) else []
+        return _kept(self._items, key, make)
 
     def top(self, key: str) -> str:
         """The bare JSON of ``body.get(key)`` (model, system, tools)."""
-        text = self._top.get(key)
-        if text is None:
+        def make() -> str:
             value = self.body.get(key)
-            text = self._top[key] = (
-                _list_json(self.items(key)) if isinstance(value, list) else bare_json(value))
-        return text
+            return _list_json(self.items(key)) if isinstance(value, list) else bare_json(value)
+        return _kept(self._top, key, make)
 
     def blocks(self, i: int) -> list[str]:
         """The bare JSON of each block of message ``i`` whose content is a list."""
-        texts = self._blocks.get(i)
-        if texts is None:
+        def make() -> list[str]:
             message = self.messages[i]
             content = message.get("content") if isinstance(message, dict) else None
-            texts = self._blocks[i] = (
-                [bare_json(b) for b in content] if isinstance(content, list) else [])
-        return texts
+            return [bare_json(b) for b in content] if isinstance(content, list) else []
+        return _kept(self._blocks, i, make)
 
     def message(self, i: int) -> str:
         """The bare JSON of message ``i``: its content list from its blocks' texts."""
-        text = self._messages.get(i)
-        if text is None:
-            message = self.messages[i]
-            if not isinstance(message, dict) or not isinstance(message.get("content"), list):
-                text = bare_json(message)
-            elif len(message) == 2 and type(message.get("role")) is str:  # as a client sends
-                text = (f'{{"content":{_list_json(self.blocks(i))},'
-                        f'"role":{_role_json(message["role"])}}}')
-            elif _str_keys(message):
-                text = "{" + ",".join(
-                    f"{canonical_json(k)}:"
-                    + (_list_json(self.blocks(i)) if k == "content" else bare_json(message[k]))
-                    for k in sorted(message) if k != "cache_control") + "}"
-            else:
-                text = bare_json(message)
-            self._messages[i] = text
-        return text
+        return _kept(self._messages, i, lambda: self._message(i))
+
+    def _message(self, i: int) -> str:
+        message = self.messages[i]
+        if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+            return bare_json(message)
+        if len(message) == 2 and type(message.get("role")) is str:  # as a client sends it
+            return (f'{{"content":{_list_json(self.blocks(i))},'
+                    f'"role":{_role_json(message["role"])}}}')
+        if not _str_keys(message):
+            return bare_json(message)
+        return "{" + ",".join(
+            f"{canonical_json(k)}:"
+            + (_list_json(self.blocks(i)) if k == "content" else bare_json(message[k]))
+            for k in sorted(message) if k != "cache_control") + "}"
 
     def prompt(self) -> tuple[list[str], list[int]]:
-        """The prompt as the API's cache sees it (server.prompt_blocks, the definition): the
-        bare JSON of each item (tools, then system, then every message block, a string content
-        as one text block) and the positions (prefix lengths) that end at a breakpoint."""
+        """The prompt as the API's cache sees it: the bare JSON of each item (tools, then system,
+        then every message block, a string content as one text block) and the positions (prefix
+        lengths) that end at a breakpoint. tests/test_fake_fast_paths.py holds the definition,
+        the items themselves."""
         parts: list[str] = []
         marks: list[int] = []
 

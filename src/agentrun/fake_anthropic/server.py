@@ -31,7 +31,7 @@ from aiohttp import web
 
 from agentrun.canonical import canonical_json
 from agentrun.fake_anthropic import platforms
-from agentrun.fake_anthropic.canon import RequestTexts, prefix_tokens, strip_cache_control
+from agentrun.fake_anthropic.canon import RequestTexts, prefix_tokens
 from agentrun.fake_anthropic.platforms import PlatformError, TokenIssuer, VertexAuth
 from agentrun.fake_anthropic.scenario import (
     Fault,
@@ -155,37 +155,6 @@ def tool_use_id(script_name: str, turn_index: int, block_index: int) -> str:
 CACHE_LOOKBACK_BLOCKS = 20
 
 
-def prompt_blocks(body: dict[str, Any]) -> tuple[list[Any], list[int]]:
-    """The prompt as the API's cache sees it: tools, then system, then every message block, in
-    order (a string is one text block, as the API tokenizes it), without their cache_control;
-    and the positions (prefix lengths) that end at a ``cache_control`` breakpoint. The definition:
-    the server writes the same items' JSON from a request's shared texts
-    (``RequestTexts.prompt``, checked against this by tests/test_fake_fast_paths.py)."""
-    items: list[Any] = []
-    marks: list[int] = []
-
-    def add(item: Any, block: Any) -> None:
-        items.append(strip_cache_control(item))
-        if isinstance(block, dict) and block.get("cache_control"):
-            marks.append(len(items))
-
-    tools = body.get("tools")
-    for tool in tools if isinstance(tools, list) else []:
-        add({"tool": tool}, tool)
-    system = body.get("system")
-    if isinstance(system, str) and system:
-        add({"system": {"type": "text", "text": system}}, None)
-    elif isinstance(system, list):
-        for block in system:
-            add({"system": block}, block)
-    for i, message in enumerate(body["messages"]):
-        content = message.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        for block in blocks if isinstance(blocks, list) else []:
-            add({"message": i, "role": message.get("role"), "block": block}, block)
-    return items, marks
-
-
 class PromptCache:
     """The API's prompt cache, per server: a breakpoint writes the prefix up to it; a request
     reads the longest written prefix that it starts with, checked at every block boundary up to
@@ -288,7 +257,7 @@ def build_message(
         if isinstance(block, TextBlock):
             content.append({"type": "text", "text": block.sent_text, "citations": None})
         elif isinstance(block, ThinkingBlock):
-            # Bound to every message of the request (signing.sign_thinking, the definition).
+            # Bound to every message of the request.
             signature = signatures.expected(len(texts.messages), block.thinking)
             content.append({"type": "thinking", "thinking": block.thinking, "signature": signature})
         else:

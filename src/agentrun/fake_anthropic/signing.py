@@ -19,38 +19,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-from typing import Any
 
 from agentrun.canonical import canonical_json
-from agentrun.fake_anthropic.canon import RequestTexts, strip_cache_control
-
-
-def sign_thinking(
-    secret: str,
-    *,
-    model: Any,
-    system: Any,
-    tools: Any,
-    messages_before: list[Any],
-    thinking: str,
-) -> str:
-    """HMAC-SHA256 over the canonical binding, base64-encoded like the API's opaque signatures.
-    ``cache_control`` is left out: it is an instruction to the cache, not conversation, and a
-    client moves its history breakpoint every turn."""
-    payload = canonical_json(
-        strip_cache_control({
-            "model": model,
-            "system": system,
-            "tools": tools,
-            "messages_before": messages_before,
-            "thinking_text": thinking,
-        })
-    )
-    # surrogatepass: a lone surrogate (a tool's output, sent as a JSON \ud800 escape) is still
-    # bound by the signature instead of making the server answer 500.
-    digest = hmac.new(secret.encode(), payload.encode("utf-8", "surrogatepass"),
-                      hashlib.sha256).digest()
-    return base64.b64encode(digest).decode("ascii")
+from agentrun.fake_anthropic.canon import RequestTexts
 
 
 def invalid_signature_message(message_index: int, block_index: int) -> str:
@@ -64,12 +35,15 @@ def _b(text: str) -> bytes:
 
 
 class Signatures:
-    """:func:`sign_thinking` for the blocks of one request, without writing the whole binding
-    again for each block: its canonical JSON (keys sorted: messages_before, model, system,
-    thinking_text, tools) is the messages' bare JSON, one by one, then a tail, so one HMAC takes
-    each message once and is copied at each block (a history of n turns is hashed in O(n), not
-    O(n^2)). ``expected`` is asked for prefixes that never shrink: the history's blocks in order,
-    then the answer's, bound to every message."""
+    """The signatures of one request's thinking blocks: HMAC-SHA256 over the canonical JSON of
+    the binding (keys sorted: messages_before, model, system, thinking_text, tools), base64 like
+    the API's opaque ones, ``cache_control`` left out (an instruction to the cache, not
+    conversation: a client moves its history breakpoint every turn). The binding is the
+    messages' bare JSON, one by one, then a tail, so one HMAC takes each message once and is
+    copied at each block (a history of n turns is hashed in O(n), not O(n^2)). ``expected`` is
+    asked for prefixes that never shrink: the history's blocks in order, then the answer's,
+    bound to every message. tests/test_fake_fast_paths.py holds the binding written whole, the
+    definition these are checked against."""
 
     def __init__(self, secret: str, texts: RequestTexts) -> None:
         self.texts = texts
@@ -80,9 +54,11 @@ class Signatures:
     def expected(self, before: int, thinking: str) -> str:
         """The signature of a thinking block that follows ``messages[:before]``."""
         texts = self.texts
+        if before < self._hashed:
+            raise ValueError("a shorter prefix than one already hashed")
         for i in range(self._hashed, before):
             self._mac.update((b"," if i else b"") + _b(texts.message(i)))
-        self._hashed = max(self._hashed, before)
+        self._hashed = before
         if self._rest is None:
             self._rest = f'],"model":{texts.top("model")},"system":{texts.top("system")}'
         mine = self._mac.copy()
@@ -109,9 +85,3 @@ class Signatures:
                 if not hmac.compare_digest(self.expected(i, thinking), signature):
                     return invalid_signature_message(i, k)
         return None
-
-
-def find_invalid_signature(secret: str, body: dict[str, Any]) -> str | None:
-    """Check every thinking block of every assistant message against the request's own
-    model/system/tools/messages[:i]; return the first error message, or None when all verify."""
-    return Signatures(secret, RequestTexts(body)).first_invalid()
