@@ -8,9 +8,13 @@
    for a claim that walks created_at order), next to the same claim in a pool that holds none
    (the baseline), and the statement before migration 0015 (:data:`OLD_CLAIM_RUNS`, over the
    index it had, :data:`OLD_INDEX`) in both pools. Each claim runs in a transaction rolled back
-   after it, so every round sees the same rows; the variants are interleaved round by round, on
-   one connection, each statement prepared once and executed from then on, as the store sends
-   them (prepared on first use; a claim commits, so it stays prepared). Also how PostgreSQL
+   after it, so every round sees the same rows; each statement's two pools are interleaved round
+   by round, on one connection, each statement prepared once and executed from then on, as the
+   store sends them (prepared on first use; a claim commits, so it stays prepared). The new
+   statement's rounds come first and the old one's after them, not interleaved with them: the old
+   statement's scans (387 buffers, 3-5 ms) between the new one's rounds cooled the caches the new
+   one ran in, a bench artifact no worker meets (0.84 against 0.62 ms p50 with 10,000 held, 6
+   alternations of the two orders in one process, 2026-12-08). Also how PostgreSQL
    planned each: a generic plan kept, or a custom plan made each time. Also the shared buffers
    each variant touches (EXPLAIN (ANALYZE, BUFFERS)): the new claim's must not grow with the held
    runs.
@@ -187,6 +191,22 @@ def plan_kinds(conn: psycopg.Connection[Any]) -> dict[str, dict[str, int]]:
     return kinds
 
 
+def _timed_claim(conn: psycopg.Connection[Any], name: str, statement: str, pool: str) -> float:
+    """One claim of ``pool`` by ``statement`` in a transaction rolled back after it: seconds."""
+    params = {"pool": pool, "worker": "bench", "limit": 1, "ttl": 60.0}
+    _raw(conn, b"BEGIN")
+    try:
+        t0 = time.perf_counter()
+        cur = conn.execute(statement, params, prepare=True)  # type: ignore[call-overload]
+        got = cur.fetchall()
+        elapsed = time.perf_counter() - t0
+    finally:
+        _raw(conn, b"ROLLBACK")
+    if not any(r[0] is not None for r in got):
+        raise RuntimeError(f"{name}: the claim took no run")
+    return elapsed
+
+
 def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, Any]:
     """Claim latency with ``held`` held runs in the pool vs none, new and old statement."""
     variants = {
@@ -203,19 +223,13 @@ def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, 
         conn.execute(OLD_INDEX)
         conn.execute("ANALYZE agent_run")
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(rounds):
-            for name, (statement, pool) in variants.items():
-                params = {"pool": pool, "worker": "bench", "limit": 1, "ttl": 60.0}
-                _raw(conn, b"BEGIN")
-                try:
-                    t0 = time.perf_counter()
-                    cur = conn.execute(statement, params, prepare=True)  # type: ignore[call-overload]
-                    got = cur.fetchall()
-                    times[name].append(time.perf_counter() - t0)
-                finally:
-                    _raw(conn, b"ROLLBACK")
-                if not any(r[0] is not None for r in got):
-                    raise RuntimeError(f"{name}: the claim took no run")
+        order: list[str] = []
+        for block in (("new, held", "new, none held"), ("old, held", "old, none held")):
+            for _ in range(rounds):
+                for name in block:
+                    statement, pool = variants[name]
+                    times[name].append(_timed_claim(conn, name, statement, pool))
+                    order.append(name)
         plans = plan_kinds(conn)
         explained = {name: explain_claim(conn, s, p) for name, (s, p) in variants.items()}
     stats = {name: _stats(t) for name, t in times.items()}
@@ -229,6 +243,7 @@ def claim_latency(url: str, held: int = 10_000, rounds: int = 200) -> dict[str, 
         "ratio_new": stats["new, held"]["p50_ms"] / stats["new, none held"]["p50_ms"],
         "ratio_old": stats["old, held"]["p50_ms"] / stats["old, none held"]["p50_ms"],
         "old_held_p50_ms": stats["old, held"]["p50_ms"],
+        "order": order,
     }
 
 
