@@ -1,7 +1,9 @@
 """The pin trigger (agent_run_pinned) calls its plpgsql function only when it has something to do
 (migration 0018). The statements a worker sends most stamp updated_at themselves, so they run
 no trigger function of it; pinned columns are refused whoever stamps updated_at, and a statement
-that does not stamp it still gets it stamped.
+that does not stamp it still gets it stamped. Since migration 0025 those statements do not even
+compare the pinned columns (agent_run_pinned_columns watches them by name): they read nothing of a
+run's stored spec and task, however big.
 
 Each statement runs as the store sends it (queries.sql, with its own parameters) under EXPLAIN
 ANALYZE inside a transaction rolled back after it, which lists every trigger that fired.
@@ -9,6 +11,7 @@ ANALYZE inside a transaction rolled back after it, which lists every trigger tha
 
 from __future__ import annotations
 
+import random
 from datetime import datetime
 from typing import Any
 from uuid import uuid4
@@ -91,7 +94,8 @@ async def test_a_workers_hot_statements_call_no_pin_function_and_stamp_updated_a
             # The statement did its work, a fenced update of one run, without a call of the pin
             # function (before migration 0018: one call for every row updated).
             assert runs_updated(top["Plan"]) == 1, name
-            assert "agent_run_pinned" not in triggers(top), (name, triggers(top))
+            fired = triggers(top)
+            assert not {"agent_run_pinned", "agent_run_pinned_columns"} & set(fired), (name, fired)
         before = _updated_at(conn, held.run_id)
         conn.execute(queries["renew_lease"], statements(held, "next")["renew_lease"])
         assert _updated_at(conn, held.run_id) > before
@@ -112,6 +116,41 @@ async def test_pinned_columns_are_refused_even_when_the_statement_stamps_updated
         assert _updated_at(conn, held.run_id) > before
         top = explain(conn, "UPDATE agent_run SET error = 'again' WHERE id = %s", (held.run_id,))
         assert triggers(top).get("agent_run_pinned") == 1
+
+
+async def test_a_workers_hot_statements_read_nothing_of_a_big_spec_stored_out_of_line(
+    store: Store, database_url: str
+) -> None:
+    # A spec of production size (a long system prompt, words that do not compress away) and a
+    # long task: both stored out of line, in agent_run's TOAST table.
+    words = random.Random(7)
+    system = " ".join(f"w{words.randrange(10**6)}" for _ in range(2000))
+    task = " ".join(f"t{words.randrange(10**6)}" for _ in range(500))
+    await store.create_run(task, SPEC.model_copy(update={"system": system}))
+    await store.create_run("next", SPEC, pool="next")
+    ((_, lease),) = (await store.claim("default", "w1")).claimed
+    with psycopg.connect(database_url) as conn:
+        toast = conn.execute("SELECT reltoastrelid FROM pg_class WHERE relname = 'agent_run'"
+                             ).fetchone()
+
+        def toast_blocks_read(statement: str, params: Any) -> int:
+            """Blocks of the TOAST table the statement fetched, in a transaction undone after."""
+            count = "SELECT pg_stat_get_xact_blocks_fetched(%s)"
+            with conn.transaction(force_rollback=True):
+                before = conn.execute(count, toast).fetchone()
+                conn.execute(statement, params)
+                after = conn.execute(count, toast).fetchone()
+            assert before is not None and after is not None
+            return int(after[0]) - int(before[0])
+
+        # The measure sees a read of the spec (and so the spec is stored out of line).
+        assert toast_blocks_read("SELECT agent_spec::text, task FROM agent_run WHERE id = %s",
+                                 (lease.run_id,)) > 0
+        for name, params in statements(lease, "next").items():
+            if name == "claim_runs":
+                continue  # returns the claimed run's whole row: the worker reads its spec
+            # Before migration 0025: 2-4 blocks each, the old and new spec and task compared.
+            assert toast_blocks_read(queries[name], params) == 0, name
 
 
 def _updated_at(conn: psycopg.Connection[Any], run_id: Any) -> datetime:

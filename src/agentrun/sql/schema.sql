@@ -384,23 +384,25 @@ CREATE INDEX agent_run_lease_idx ON public.agent_run USING btree (pool, lease_un
 
 CREATE INDEX agent_run_pending_idx ON public.agent_run USING btree (pool, created_at, id) WHERE (status = 'pending'::text);
 
-CREATE TRIGGER agent_run_handover BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN ((new.lease_epoch IS DISTINCT FROM old.lease_epoch)) EXECUTE FUNCTION public.agentrun_handover_v1();
+CREATE TRIGGER agent_run_handover BEFORE UPDATE OF lease_epoch ON public.agent_run FOR EACH ROW WHEN ((new.lease_epoch IS DISTINCT FROM old.lease_epoch)) EXECUTE FUNCTION public.agentrun_handover_v1();
 
 CREATE TRIGGER agent_run_notify_insert AFTER INSERT ON public.agent_run FOR EACH ROW EXECUTE FUNCTION public.agentrun_notify_run_v3();
 
-CREATE TRIGGER agent_run_notify_update AFTER UPDATE ON public.agent_run FOR EACH ROW WHEN (((old.status IS DISTINCT FROM new.status) OR (old.lease_epoch IS DISTINCT FROM new.lease_epoch) OR (old.lease_owner IS DISTINCT FROM new.lease_owner) OR (old.rollback_reason IS DISTINCT FROM new.rollback_reason))) EXECUTE FUNCTION public.agentrun_notify_run_v3();
+CREATE TRIGGER agent_run_notify_update AFTER UPDATE OF status, lease_epoch, lease_owner, rollback_reason ON public.agent_run FOR EACH ROW WHEN (((old.status IS DISTINCT FROM new.status) OR (old.lease_epoch IS DISTINCT FROM new.lease_epoch) OR (old.lease_owner IS DISTINCT FROM new.lease_owner) OR (old.rollback_reason IS DISTINCT FROM new.rollback_reason))) EXECUTE FUNCTION public.agentrun_notify_run_v3();
 
-CREATE TRIGGER agent_run_pinned BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN (((NOT (new.updated_at IS DISTINCT FROM old.updated_at)) OR (new.task IS DISTINCT FROM old.task) OR (new.model IS DISTINCT FROM old.model) OR (new.agent_spec IS DISTINCT FROM old.agent_spec) OR ((old.prompt_version IS NOT NULL) AND (new.prompt_version IS DISTINCT FROM old.prompt_version)) OR (new.k8s_uid IS DISTINCT FROM old.k8s_uid) OR (new.external_key IS DISTINCT FROM old.external_key))) EXECUTE FUNCTION public.agentrun_forbid_pin_change_v1();
+CREATE TRIGGER agent_run_pinned BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN ((NOT (new.updated_at IS DISTINCT FROM old.updated_at))) EXECUTE FUNCTION public.agentrun_forbid_pin_change_v1();
+
+CREATE TRIGGER agent_run_pinned_columns BEFORE UPDATE OF task, model, agent_spec, prompt_version, k8s_uid, external_key ON public.agent_run FOR EACH ROW WHEN (((new.task IS DISTINCT FROM old.task) OR (new.model IS DISTINCT FROM old.model) OR (new.agent_spec IS DISTINCT FROM old.agent_spec) OR ((old.prompt_version IS NOT NULL) AND (new.prompt_version IS DISTINCT FROM old.prompt_version)) OR (new.k8s_uid IS DISTINCT FROM old.k8s_uid) OR (new.external_key IS DISTINCT FROM old.external_key))) EXECUTE FUNCTION public.agentrun_forbid_pin_change_v1();
 
 CREATE TRIGGER agent_run_quota_release AFTER UPDATE OF status ON public.agent_run FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.status <> 'running'::text) AND (old.k8s_namespace IS NOT NULL))) EXECUTE FUNCTION public.agentrun_quota_release();
 
 CREATE TRIGGER agent_run_quota_release_on_delete AFTER DELETE ON public.agent_run FOR EACH ROW WHEN (((old.status = 'running'::text) AND (old.k8s_namespace IS NOT NULL))) EXECUTE FUNCTION public.agentrun_quota_release();
 
-CREATE TRIGGER agent_run_rollback_end BEFORE INSERT OR UPDATE ON public.agent_run FOR EACH ROW WHEN (((new.rollback_reason IS NULL) <> (new.rollback_end IS NULL))) EXECUTE FUNCTION public.agentrun_rollback_end_v1();
+CREATE TRIGGER agent_run_rollback_end BEFORE INSERT OR UPDATE OF rollback_reason, rollback_end ON public.agent_run FOR EACH ROW WHEN (((new.rollback_reason IS NULL) <> (new.rollback_end IS NULL))) EXECUTE FUNCTION public.agentrun_rollback_end_v1();
 
-CREATE TRIGGER agent_run_tool_loss BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN (((old.lease_owner IS NOT NULL) AND (old.status = 'running'::text) AND (new.lease_epoch IS DISTINCT FROM old.lease_epoch))) EXECUTE FUNCTION public.agentrun_tool_loss_v1();
+CREATE TRIGGER agent_run_tool_loss BEFORE UPDATE OF lease_epoch ON public.agent_run FOR EACH ROW WHEN (((old.lease_owner IS NOT NULL) AND (old.status = 'running'::text) AND (new.lease_epoch IS DISTINCT FROM old.lease_epoch))) EXECUTE FUNCTION public.agentrun_tool_loss_v1();
 
-CREATE TRIGGER agent_run_wait_attempt BEFORE UPDATE ON public.agent_run FOR EACH ROW WHEN ((((new.pending_call ->> 'stage'::text) = 'outcome_unknown'::text) AND (NOT (new.pending_call ? 'attempt'::text)))) EXECUTE FUNCTION public.agentrun_wait_attempt_v1();
+CREATE TRIGGER agent_run_wait_attempt BEFORE UPDATE OF pending_call ON public.agent_run FOR EACH ROW WHEN ((((new.pending_call ->> 'stage'::text) = 'outcome_unknown'::text) AND (NOT (new.pending_call ? 'attempt'::text)))) EXECUTE FUNCTION public.agentrun_wait_attempt_v1();
 
 CREATE TRIGGER agent_step_append_only BEFORE DELETE OR UPDATE ON public.agent_step FOR EACH ROW EXECUTE FUNCTION public.agentrun_forbid_step_change_v1();
 
