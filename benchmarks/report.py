@@ -70,6 +70,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "claim_rounds": 20,
         "group_steps": 64,
         "group_rounds": 1,
+        "trigger_appends": 20,
+        "trigger_rounds": 2,
     },
     "small": {
         "store_steps": 1000,
@@ -91,6 +93,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "claim_rounds": 200,
         "group_steps": 1000,
         "group_rounds": 5,
+        "trigger_appends": 300,
+        "trigger_rounds": 6,
     },
     "large": {
         "store_steps": 4000,
@@ -110,12 +114,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "claim_rounds": 500,
         "group_steps": 4000,
         "group_rounds": 7,
+        "trigger_appends": 1000,
+        "trigger_rounds": 8,
     },
 }
 SECTIONS = (
-    "store", "claim", "group", "per_step", "resume", "cancel", "throughput", "startup", "cpu",
-    "prune",
-    "idle", "operator", "memory",
+    "store", "claim", "group", "triggers", "per_step", "resume", "cancel", "throughput", "startup",
+    "cpu", "prune", "idle", "operator", "memory",
 )
 #: Chart defaults (charts/agentrun/values.yaml): a worker pod requests 256 Mi, is limited to 512 Mi.
 WORKER_MEMORY_REQUEST_MIB = 256
@@ -269,6 +274,7 @@ def run_all(
         prune_bench,
         startup_bench,
         store_bench,
+        trigger_bench,
         worker_bench,
     )
     from benchmarks.throwaway_db import fresh_database, pick_admin_url, throwaway_database
@@ -319,6 +325,11 @@ def run_all(
                 log("group: " + ", ".join(
                     f"{w} writers {c['cpu_ratio']:.2f}x less db cpu" if c["cpu_ratio"]
                     else f"{w} writers cpu not measured" for w, c in by.items()))
+        if "triggers" in only:
+            with section(res, errors, "triggers", log):
+                res["triggers"] = trigger_bench.trigger_bench(
+                    admin, p["trigger_appends"], p["trigger_rounds"])
+                log(f"triggers: {trigger_bench.describe(res['triggers'])}")
         if "prune" in only:
             with (
                 section(res, errors, "prune", log),
@@ -517,6 +528,8 @@ F_GROUP_1 = "group commit: append latency with 1 run (nothing to group)"
 #: Issue 17's goal for F_GROUP (at 16 runs and more), and the noise allowed on F_GROUP_1's p50.
 GROUP_CPU_GOAL = 3.0
 GROUP_LATENCY_NOISE = 1.15
+F_TRIGGERS = ("agent_run's row triggers by column (migration 0025): database CPU per append vs "
+              "schema 24 (benchmarks/trigger_bench.py)")
 NO_GOAL = "no goal set"
 GOALS = {
     F_STEP: f"≤ {STEP_GOAL_MS} ms per turn over the in-memory loop (fair; ≥ {STEP_ROUNDS} paired "
@@ -527,6 +540,7 @@ GOALS = {
     F_FOLLOW: "no follower: ≥ 0.9x (noise)",
     F_PRUNE: "no live step touched, no writer waits on a lock, every old finished run gone",
     F_GROUP: f"≥ {GROUP_CPU_GOAL:g}x less database CPU per step at ≥ 16 runs",
+    F_TRIGGERS: NO_GOAL,
     F_GROUP_1: f"no added latency: p50 ≤ {GROUP_LATENCY_NOISE:g}x one statement each (noise), "
     "round by round",
     F_IDLE: f"≤ {IDLE_WORKER_GOAL_QPM} queries/min (1 per 10 s)",
@@ -550,6 +564,7 @@ SECTION_FIGURES = {
     "idle": [F_IDLE],
     "claim": [F_CLAIM_HELD, F_BEAT],
     "group": [F_GROUP, F_GROUP_1],
+    "triggers": [F_TRIGGERS],
     "resume": [F_KILL, F_TERM],
     "cancel": [F_CANCEL],
     "operator": [F_OP_IDLE, F_SFZ, F_SFZ_REAL],
@@ -703,6 +718,10 @@ def rows(res: dict[str, Any], errors: dict[str, str]) -> list[Row]:
                 paired <= GROUP_LATENCY_NOISE)
         else:
             row(F_GROUP_1, "not measured (no 1-writer cell)", None)
+    if not skipped("triggers"):
+        from benchmarks.trigger_bench import describe
+
+        row(F_TRIGGERS, describe(res["triggers"]), None)
     if not skipped("idle"):
         q = res["idle"]["queries_per_minute"]
         row(F_IDLE, f"{q:.1f} queries/min ({res['idle']['method']})", q <= IDLE_WORKER_GOAL_QPM)

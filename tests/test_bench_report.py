@@ -15,6 +15,8 @@ import pytest
 from benchmarks import report
 from benchmarks.scratch import scratch_dir
 
+from agentrun.migrations import latest_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) -> None:
     # The real command, as README.md documents it, on a subset: the store benchmark and the
-    # cancel benchmark (a real worker process against the scripted model server).
+    # cancel benchmark (a real worker process against the scripted model server), and the
+    # triggers' (two databases, one at schema 24).
     out = tmp_path / "out"
     scratch = tmp_path / "tmp"  # the benchmarks' TMPDIR: nothing of theirs stays in it
     scratch.mkdir()
@@ -35,7 +38,7 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
             "--preset",
             "tiny",
             "--only",
-            "store,cancel",
+            "store,cancel,triggers",
             "--out",
             str(out),
         ],
@@ -57,6 +60,12 @@ def test_the_report_command_runs_and_writes_markdown_and_json(tmp_path: Path) ->
     assert goals["cancel during a model call"]["verdict"] == "met"
     assert goals["resume after SIGKILL"]["measured"] == "not run (--only)"
     assert data["store"]["claims_per_s"] > 0
+    # The baseline schema is really the one before migration 0025, the big spec really big.
+    t = data["triggers"]
+    assert (t["before_version"], t["now_version"]) == (24, latest_version()), t
+    assert t["big_spec_bytes"] > 4096 and t["big_task_bytes"] > 2048, t
+    assert goals[report.F_TRIGGERS]["measured"].startswith(
+        f"database CPU per append, schema {latest_version()} vs 24; "), goals[report.F_TRIGGERS]
     assert data["machine"]["cores"] >= 1
     # The machine's speed this sitting, beside its absolute figures.
     assert data["machine"]["speed_reference_ms"] > 0
