@@ -539,9 +539,15 @@ class Zygote:
     SIGKILLs and reaps whatever it started that is still alive)."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        # A session of its own, for it and the lives it forks: when the process group the soak
+        # runs in is orphaned (the shell that started the soak exits) while a zombie life is
+        # stopped, the kernel SIGHUPs that whole group, and a stopped life died of it "by itself"
+        # (three on 2026-12-08, docs/benchmarks.md). Nothing it forked outlives the soak anyway:
+        # the end of its stdin, the soak gone, makes it SIGKILL them all.
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.zygote"],
             env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            start_new_session=True,
         )  # fmt: skip
         assert self.popen.stdin is not None and self.popen.stdout is not None
         self._in: IO[bytes] = self.popen.stdin

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import os
 import shutil
 import signal
 import subprocess
@@ -206,6 +207,23 @@ async def test_forked_worker_lives_are_killed_independently_and_nothing_outlives
     assert report.succeeded + report.odd_failed == report.runs == 12
     assert report.odd_runs == 3 and report.odd_mismatched == 0
     assert not _zygote_processes()
+
+
+def test_the_zygote_and_its_lives_are_out_of_the_soaks_session() -> None:
+    """The first 10,000-kill soak of 2026-12-08 counted three "crashes": lives stopped as zombies
+    when the shell that had started the soak exited, SIGHUPped by the kernel with the whole
+    process group the soak ran in (an orphaned group with a stopped member). The zygote, and so
+    every life it forks, now runs in a session of its own, which no such SIGHUP reaches."""
+    from benchmarks.soak import Zygote
+
+    zygote = Zygote(dict(os.environ))
+    try:
+        pid = zygote.popen.pid
+        assert os.getsid(pid) == pid != os.getsid(0)
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+    finally:
+        zygote.close()
+    assert zygote.popen.poll() is not None
 
 
 class _Life:
